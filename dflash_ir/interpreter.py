@@ -1,0 +1,117 @@
+"""The reference interpreter: runs any graph with the ops' numpy references.
+
+It is the living definition of a graph's meaning and the oracle every backend is tested
+against. Weights are bound lazily through a loader (`(Weight) -> storage array`, e.g. a
+view into a memory-mapped GGUF); nodes that depend on weights only (such as dequantising
+a weight) are computed once per interpreter and reused across calls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .ir import Graph, Value, Weight
+from .ops.registry import get_op
+
+WeightLoader = Callable[[Weight], np.ndarray]
+
+
+class BindError(ValueError):
+    """Arrays passed to a graph do not match its declared inputs or states."""
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, np.ndarray]
+    states: dict[str, np.ndarray]
+    bindings: dict[str, int]
+
+
+def storage_shape(v: Value, bindings: Mapping[str, int]) -> tuple[int, ...]:
+    shape = v.type.concrete(bindings)
+    dt = v.type.dtype
+    if dt.is_block and shape:
+        return (*shape[:-1], dt.storage_bytes(shape[-1]))
+    return shape
+
+
+class Interpreter:
+    def __init__(self, graph: Graph, load_weight: WeightLoader):
+        self.graph = graph
+        self._load_weight = load_weight
+        self._weights = {w.value.name: w for w in graph.weights}
+        self._ops = {n.op: get_op(n.op) for n in graph.nodes}
+        constant = set(self._weights)
+        self._folded: set[int] = set()
+        for i, n in enumerate(graph.nodes):
+            if n.inputs and all(x in constant for x in n.inputs):
+                self._folded.add(i)
+                constant.update(v.name for v in n.outputs)
+        self._cache: dict[str, np.ndarray] = {}
+
+    def _weight(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            w = self._weights[name]
+            arr = self._load_weight(w)
+            expected = storage_shape(w.value, {})
+            if tuple(arr.shape) != expected or arr.dtype != w.value.type.dtype.numpy():
+                raise BindError(f"{self.graph.name}: weight {w.source}:{w.tensor} loaded as {arr.dtype}{list(arr.shape)}, "
+                                f"graph declares {w.value.type} (storage {w.value.type.dtype.numpy()}{list(expected)})")
+            self._cache[name] = arr
+        return self._cache[name]
+
+    def _bind(self, values, arrays: Mapping[str, np.ndarray], what: str, bindings: dict[str, int]) -> dict[str, np.ndarray]:
+        out = {}
+        for v in values:
+            if v.name not in arrays:
+                raise BindError(f"{self.graph.name}: missing {what} {v.name!r} ({v.type})")
+            arr = np.asarray(arrays[v.name])
+            want = v.type.dtype.numpy()
+            if arr.dtype != want:
+                if arr.dtype.kind != np.dtype(want).kind and not (arr.dtype.kind in "iu" and want.kind in "iu"):
+                    raise BindError(f"{self.graph.name}: {what} {v.name!r} has dtype {arr.dtype}, expected {v.type}")
+                arr = arr.astype(want)
+            if arr.ndim != v.type.rank:
+                raise BindError(f"{self.graph.name}: {what} {v.name!r} has shape {list(arr.shape)}, expected {v.type}")
+            for dim, n in zip(v.type.shape, arr.shape):
+                if isinstance(dim, int):
+                    if dim != n:
+                        raise BindError(f"{self.graph.name}: {what} {v.name!r} has shape {list(arr.shape)}, expected {v.type}")
+                elif bindings.setdefault(dim, n) != n:
+                    raise BindError(f"{self.graph.name}: {what} {v.name!r} binds {dim}={n}, but {dim}={bindings[dim]} elsewhere")
+            out[v.name] = arr
+        return out
+
+    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None) -> RunResult:
+        g = self.graph
+        bindings: dict[str, int] = {}
+        env: dict[str, np.ndarray] = {}
+        env.update(self._bind(g.inputs, inputs, "input", bindings))
+        env.update(self._bind([s.value for s in g.states], states or {}, "state", bindings))
+        for i, node in enumerate(g.nodes):
+            if i in self._folded and node.outputs[0].name in self._cache:
+                for v in node.outputs:
+                    env[v.name] = self._cache[v.name]
+                continue
+            args = [env[x] if x in env else self._weight(x) for x in node.inputs]
+            results = self._ops[node.op].run(args, node.attr)
+            if len(results) != len(node.outputs):
+                raise RuntimeError(f"{g.name}: op {node.op} returned {len(results)} arrays for {len(node.outputs)} outputs")
+            for v, arr in zip(node.outputs, results):
+                expected = storage_shape(v, {**bindings, **_fresh_symbols(v, arr, bindings)})
+                if tuple(arr.shape) != expected:
+                    raise RuntimeError(f"{g.name}: op {node.op} produced %{v.name} with shape {list(arr.shape)}, "
+                                       f"declared {v.type} = {list(expected)}")
+                env[v.name] = arr
+                if i in self._folded:
+                    self._cache[v.name] = arr
+        outputs = {name: env[value] if value in env else self._weight(value) for name, value in g.outputs}
+        new_states = {s.value.name: env[s.update] for s in g.states if s.update is not None}
+        return RunResult(outputs, new_states, bindings)
+
+
+def _fresh_symbols(v: Value, arr: np.ndarray, bindings: Mapping[str, int]) -> dict[str, int]:
+    """Symbols first seen on an op output (e.g. a data-dependent size) bind to what the op produced."""
+    return {d: n for d, n in zip(v.type.shape, arr.shape) if isinstance(d, str) and d not in bindings}

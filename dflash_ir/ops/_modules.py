@@ -1,0 +1,1 @@
+"""Imports every op module, so that the registry is complete."""

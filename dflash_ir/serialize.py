@@ -1,0 +1,66 @@
+"""YAML/JSON form of a graph: plain dicts, for artifacts and tools."""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from .ir import Graph, Node, State, Value, Weight, freeze_attr
+from .types import parse_type
+
+FORMAT = "dflash-ir.graph/1"
+
+
+def _value(v: Value) -> dict[str, str]:
+    return {"name": v.name, "type": str(v.type)}
+
+
+def _unvalue(d: dict) -> Value:
+    return Value(d["name"], parse_type(d["type"]))
+
+
+def graph_to_dict(g: Graph) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "name": g.name,
+        "meta": _plain(dict(g.meta)),
+        "inputs": [_value(v) for v in g.inputs],
+        "weights": [{**_value(w.value), "tensor": w.tensor, "source": w.source} for w in g.weights],
+        "states": [{**_value(s.value), "update": s.update} for s in g.states],
+        "nodes": [
+            {"op": n.op, "inputs": list(n.inputs), "outputs": [_value(v) for v in n.outputs], "attrs": _plain(dict(n.attrs))}
+            for n in g.nodes
+        ],
+        "outputs": [{"name": o, "value": v} for o, v in g.outputs],
+    }
+
+
+def graph_from_dict(d: dict[str, Any]) -> Graph:
+    if d.get("format") != FORMAT:
+        raise ValueError(f"not a serialised graph of format {FORMAT!r} (found {d.get('format')!r})")
+    return Graph(
+        name=d["name"],
+        inputs=tuple(_unvalue(v) for v in d["inputs"]),
+        weights=tuple(Weight(_unvalue(w), w["tensor"], w["source"]) for w in d["weights"]),
+        states=tuple(State(_unvalue(s), s.get("update")) for s in d["states"]),
+        nodes=tuple(Node.make(n["op"], n["inputs"], [_unvalue(v) for v in n["outputs"]], n["attrs"]) for n in d["nodes"]),
+        outputs=tuple((o["name"], o["value"]) for o in d["outputs"]),
+        meta=tuple(sorted((k, freeze_attr(v)) for k, v in (d.get("meta") or {}).items())),
+    )
+
+
+def dump_yaml(g: Graph) -> str:
+    return yaml.safe_dump(graph_to_dict(g), sort_keys=False, width=120)
+
+
+def load_yaml(text: str) -> Graph:
+    return graph_from_dict(yaml.safe_load(text))
+
+
+def _plain(v: Any) -> Any:
+    """Tuples to lists so safe_dump writes plain YAML sequences."""
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v

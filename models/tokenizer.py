@@ -1,0 +1,342 @@
+"""Byte-level BPE tokenizer rebuilt from GGUF ``tokenizer.ggml.*`` metadata.
+
+The GGUF is the only artifact the runtime gets, so the tokenizer is built from
+its metadata (tokens, token types, merges, pre-tokenizer name) on top of the
+Hugging Face ``tokenizers`` library, and behaves like llama.cpp's
+``llama_tokenize`` / ``llama_token_to_piece`` where the two libraries differ:
+
+* Normalisation: ``normalize="nfc"`` (default) matches the official HF
+  tokenizer (and tiktoken); ``normalize=None`` matches llama.cpp, which does not
+  normalise. The two differ only on input that is not already NFC (decomposed
+  accents); every prompt we ship is NFC.
+* ``parse_special``: CONTROL (and UNKNOWN) tokens are matched in the text only
+  when it is true (llama.cpp ``-sp`` / chat prompts); USER_DEFINED tokens such
+  as ``<think>`` are always matched, as in llama.cpp and HF.
+* Decoding copies CONTROL/USER_DEFINED text as is, maps NORMAL/BYTE tokens back
+  through the GPT-2 byte table, and drops UNUSED (``[PAD..]``) ids, as
+  ``llama_token_to_piece`` does.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from enum import IntEnum
+from os import PathLike
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenType(IntEnum):
+    """llama.cpp ``llama_token_type`` values stored in ``tokenizer.ggml.token_type``."""
+
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# Pre-tokenizer split patterns by llama.cpp ``tokenizer.ggml.pre`` name.
+# qwen35 differs from qwen2 only by treating combining marks (\p{M}) as letters.
+PRE_TOKENIZER_REGEX = {
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    "qwen35": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+}
+
+# Tokens llama.cpp marks as end-of-generation by their text (Qwen family).
+EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
+_SPECIAL_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN)
+_ADDED_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    shift = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shift)
+            shift += 1
+    return table
+
+
+BYTE_TO_UNICODE = _bytes_to_unicode()
+UNICODE_TO_BYTE = {c: b for b, c in BYTE_TO_UNICODE.items()}
+
+
+def _to_unicode(token: bytes) -> str:
+    return "".join(BYTE_TO_UNICODE[b] for b in token)
+
+
+def read_tiktoken_ranks(path: str | PathLike) -> dict[bytes, int]:
+    """Read a ``.tiktoken`` file (``base64(token) rank`` per line)."""
+    ranks = {}
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _last_merge(token: bytes, ranks: Mapping[bytes, int], rank: int) -> tuple[bytes, bytes] | None:
+    """BPE-merge ``token`` with ranks below its own; its merge is the final pair, if any.
+
+    This is how tiktoken-to-HF converters recover merges: a token is reachable
+    by BPE iff merging its bytes with lower ranks stops at exactly two parts.
+    """
+    parts = [token[i : i + 1] for i in range(len(token))]
+    pair_ranks = [ranks.get(token[i : i + 2], rank) for i in range(len(token) - 1)]
+    while len(parts) > 2:
+        best = min(pair_ranks)
+        if best >= rank:
+            return None
+        at = pair_ranks.index(best)
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+        del pair_ranks[at]
+        if at > 0:
+            pair_ranks[at - 1] = ranks.get(parts[at - 1] + parts[at], rank)
+        if at < len(parts) - 1:
+            pair_ranks[at] = ranks.get(parts[at] + parts[at + 1], rank)
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+def merges_from_ranks(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """Merges recovered from tiktoken ranks, ordered by the rank of the merged token."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1 and (pair := _last_merge(token, ranks, rank)) is not None:
+            merges.append(pair)
+    return merges
+
+
+class Tokenizer:
+    """A GGUF vocabulary as a ``tokenizers`` BPE plus llama.cpp's token types and ids."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        token_type: Sequence[int],
+        merges: Iterable[tuple[str, str]],
+        *,
+        pre: str,
+        normalize: str | None = "nfc",
+        eos_id: int | None = None,
+        bos_id: int | None = None,
+        padding_id: int | None = None,
+        mask_id: int | None = None,
+        eot_ids: Iterable[int] = (),
+        add_bos: bool = False,
+        source: str = "<tokenizer>",
+    ):
+        if pre not in PRE_TOKENIZER_REGEX:
+            raise ValueError(
+                f"{source}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
+                f"supported: {sorted(PRE_TOKENIZER_REGEX)}"
+            )
+        if normalize not in ("nfc", None):
+            raise ValueError(f"{source}: normalize must be 'nfc' or None, not {normalize!r}")
+        if len(token_type) != len(tokens):
+            raise ValueError(f"{source}: {len(tokens)} tokens but {len(token_type)} token types")
+        self.tokens = list(tokens)
+        self.token_type = [TokenType(t) for t in token_type]
+        self.merges = list(merges)
+        self.pre = pre
+        self.pre_regex = PRE_TOKENIZER_REGEX[pre]
+        self.normalize = normalize
+        self.eos_id, self.bos_id, self.padding_id, self.mask_id = eos_id, bos_id, padding_id, mask_id
+        self.add_bos = add_bos
+        self.source = source
+        self._token_to_id = {}
+        for i, t in enumerate(self.tokens):
+            self._token_to_id.setdefault(t, i)
+        named_eog = {self._token_to_id[t] for t in EOG_TOKEN_TEXTS if t in self._token_to_id}
+        self.eos_ids = frozenset({i for i in (eos_id, *eot_ids) if i is not None} | named_eog)
+        self._backend = self._build_backend()
+        self._lock = threading.Lock()
+
+    def _build_backend(self) -> _HFTokenizer:
+        # Added tokens are also put in the BPE vocabulary so that ``add_tokens``
+        # keeps their GGUF ids instead of numbering them after the vocabulary.
+        # UNUSED ids stay out: tokenizers then neither produces nor decodes them.
+        vocab = {}
+        for i, (t, ty) in enumerate(zip(self.tokens, self.token_type)):
+            if ty != TokenType.UNUSED:
+                vocab.setdefault(t, i)
+        backend = _HFTokenizer(models.BPE(vocab, self.merges, ignore_merges=False))
+        if self.normalize == "nfc":
+            backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(self.pre_regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        backend.decoder = decoders.ByteLevel()
+        backend.add_tokens(
+            [
+                AddedToken(t, special=ty in _SPECIAL_TYPES, normalized=False)
+                for t, ty in zip(self.tokens, self.token_type)
+                if ty in _ADDED_TYPES
+            ]
+        )
+        return backend
+
+    # ---- construction -------------------------------------------------------
+
+    @classmethod
+    def from_metadata(
+        cls, metadata: Mapping[str, Any], *, source: str = "<metadata>", normalize: str | None = "nfc"
+    ) -> Tokenizer:
+        """Build from GGUF key/values (``tokenizer.ggml.*``)."""
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(
+                f"{source}: unsupported tokenizer.ggml.model {model!r} (only 'gpt2' byte-level BPE is supported)"
+            )
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"):
+            if key not in metadata:
+                raise ValueError(f"{source}: missing {key}")
+        tokens = metadata["tokenizer.ggml.tokens"]
+        token_type = metadata.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+        get = metadata.get
+        return cls(
+            tokens,
+            token_type,
+            merges,
+            pre=metadata["tokenizer.ggml.pre"],
+            normalize=normalize,
+            eos_id=get("tokenizer.ggml.eos_token_id"),
+            bos_id=get("tokenizer.ggml.bos_token_id"),
+            padding_id=get("tokenizer.ggml.padding_token_id"),
+            mask_id=get("tokenizer.ggml.mask_token_id"),
+            eot_ids=[get(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata],
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            source=source,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | PathLike, *, normalize: str | None = "nfc") -> Tokenizer:
+        from .gguf_file import open_gguf
+
+        with open_gguf(path) as gguf:
+            return cls.from_metadata(gguf.metadata, source=str(path), normalize=normalize)
+
+    @classmethod
+    def from_ranks(
+        cls,
+        ranks: Mapping[bytes, int],
+        specials: Mapping[str, int],
+        *,
+        user_defined: Iterable[str] = (),
+        pre: str = "qwen35",
+        normalize: str | None = "nfc",
+        source: str = "<ranks>",
+    ) -> Tokenizer:
+        """Build from tiktoken ranks (rank = id) the way GGUF converters do.
+
+        ``specials`` become CONTROL tokens, except those named in
+        ``user_defined`` (non-special added tokens such as ``<think>``); ids
+        without a token become UNUSED ``[PAD<id>]`` entries.
+        """
+        user_defined = set(user_defined)
+        n = max([*ranks.values(), *specials.values()]) + 1
+        tokens = [f"[PAD{i}]" for i in range(n)]
+        types = [TokenType.UNUSED] * n
+        for token, rank in ranks.items():
+            tokens[rank], types[rank] = _to_unicode(token), TokenType.NORMAL
+        for text, i in specials.items():
+            tokens[i] = text
+            types[i] = TokenType.USER_DEFINED if text in user_defined else TokenType.CONTROL
+        merges = [(_to_unicode(a), _to_unicode(b)) for a, b in merges_from_ranks(ranks)]
+        return cls(tokens, types, merges, pre=pre, normalize=normalize, source=source)
+
+    # ---- vocabulary ---------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (embedding rows), UNUSED padding ids included."""
+        return len(self.tokens)
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (batch encoding, offsets)."""
+        return self._backend
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._token_to_id.get(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokens[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        return self.token_type[token_id] in _SPECIAL_TYPES
+
+    def token_bytes(self, token_id: int, *, skip_special: bool = False) -> bytes:
+        """The bytes a token stands for (llama.cpp ``token_to_piece``)."""
+        ty = self.token_type[token_id]
+        if ty in (TokenType.NORMAL, TokenType.BYTE):
+            return bytes(UNICODE_TO_BYTE[c] for c in self.tokens[token_id])
+        if ty == TokenType.USER_DEFINED or (ty in _SPECIAL_TYPES and not skip_special):
+            return self.tokens[token_id].encode()
+        return b""
+
+    # ---- encode / decode ----------------------------------------------------
+
+    def encode(self, text: str, *, parse_special: bool = True, add_special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special`` prepends BOS when the vocabulary asks for it."""
+        with self._lock:
+            self._backend.encode_special_tokens = not parse_special
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        data = b"".join(self.token_bytes(i, skip_special=skip_special) for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+    def stream_decoder(self, *, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special=skip_special)
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({self.source}, vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+            f"pre={self.pre!r}, normalize={self.normalize!r})"
+        )
+
+
+class StreamDecoder:
+    """Incremental detokenizer for generation: feed ids, get only complete UTF-8 text.
+
+    A character split across tokens (CJK, emoji) is held back until its last
+    byte arrives, so no replacement character appears mid-stream; invalid bytes
+    still become U+FFFD as in ``decode``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id, skip_special=self._skip_special))
+
+    def flush(self) -> str:
+        """Text of any held-back bytes (replacement characters for an unfinished sequence)."""
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,130 @@
+"""Weight-consuming ops: dequantize, embedding lookup, Linear-style matmul, per-expert matmul.
+
+Weights arrive as their storage arrays (see `dflash_ir.quant`); each op dequantises only
+what it reads, so a reference run never materialises a whole vocab or expert bank in f32.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import DType
+from ..quant import dequantize as _dequantize_storage
+from ..types import TensorType
+from .rules import (
+    WEIGHT_DTYPES,
+    defop,
+    expect_block_aligned,
+    expect_dtype,
+    expect_min_rank,
+    expect_rank,
+    expect_same,
+    f32,
+)
+
+F32 = np.float32
+_STORAGE_DTYPES = {d.numpy(): d for d in WEIGHT_DTYPES}
+
+# rows of a weight dequantised at a time by `matmul`: bounds the f32 copy to ~64 MiB
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def storage_dtype(storage: np.ndarray) -> DType:
+    """The weight dtype a storage array holds (the numpy storage dtypes are distinct)."""
+    try:
+        return _STORAGE_DTYPES[storage.dtype]
+    except KeyError:
+        raise ValueError(f"{storage.dtype} arrays are not weight storage "
+                         f"({', '.join(str(d) for d in WEIGHT_DTYPES)})") from None
+
+
+def as_f32(storage: np.ndarray) -> np.ndarray:
+    """Float32 values of a weight storage array (a new array)."""
+    storage = np.asarray(storage)
+    return _dequantize_storage(storage, storage_dtype(storage))
+
+
+def _dequantize_rule(w: TensorType) -> TensorType:
+    expect_dtype("w", w, *WEIGHT_DTYPES)
+    expect_block_aligned("w", w)
+    return f32(w.shape)
+
+
+@defop("dequantize", _dequantize_rule)
+def dequantize(w):
+    """Float32 values of a weight, same logical shape."""
+    return as_f32(w)
+
+
+def _embedding_rule(table: TensorType, ids: TensorType) -> TensorType:
+    expect_dtype("table", table, *WEIGHT_DTYPES)
+    expect_rank("table", table, 2)
+    expect_block_aligned("table", table)
+    expect_dtype("ids", ids, DType.I32)
+    expect_rank("ids", ids, 1)
+    return f32((ids.shape[0], table.shape[1]))
+
+
+@defop("embedding", _embedding_rule)
+def embedding(table, ids):
+    """Rows `ids` of `table` as f32; only the gathered rows are dequantised."""
+    check_indices("embedding", "token id", ids, table.shape[0])
+    return as_f32(table[ids])
+
+
+def check_indices(op: str, what: str, ids: np.ndarray, size: int) -> None:
+    """Runtime bounds check naming the first offending index (numpy would wrap negatives)."""
+    bad = np.flatnonzero((ids < 0) | (ids >= size))
+    if bad.size:
+        raise ValueError(f"{op}: {what} {int(ids.flat[bad[0]])} is out of range [0, {size})")
+
+
+def _matmul_rule(x: TensorType, w: TensorType) -> TensorType:
+    expect_dtype("x", x, DType.F32)
+    expect_min_rank("x", x, 1)
+    expect_dtype("w", w, *WEIGHT_DTYPES)
+    expect_rank("w", w, 2)
+    expect_block_aligned("w", w)
+    expect_same("x inner dim", x.shape[-1], "w inner dim", w.shape[1], (x, w))
+    return f32(x.shape[:-1] + (w.shape[0],))
+
+
+@defop("matmul", _matmul_rule)
+def matmul(x, w):
+    """x @ wᵀ (PyTorch Linear layout w[N, K]); w is dequantised in row chunks."""
+    n = w.shape[0]
+    k = x.shape[-1]
+    rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    out = np.empty(x.shape[:-1] + (n,), dtype=F32)
+    for start in range(0, n, rows):
+        out[..., start:start + rows] = x @ as_f32(w[start:start + rows]).T
+    return out
+
+
+def _expert_matmul_rule(x: TensorType, w: TensorType, ids: TensorType) -> TensorType:
+    expect_dtype("x", x, DType.F32)
+    expect_rank("x", x, 2, 3)
+    expect_dtype("w", w, *WEIGHT_DTYPES)
+    expect_rank("w", w, 3)
+    expect_block_aligned("w", w)
+    expect_dtype("ids", ids, DType.I32)
+    expect_rank("ids", ids, 2)
+    shapes = (x, w, ids)
+    expect_same("x rows", x.shape[0], "ids rows", ids.shape[0], shapes)
+    if x.rank == 3:
+        expect_same("x slots", x.shape[1], "ids slots", ids.shape[1], shapes)
+    expect_same("x inner dim", x.shape[-1], "w inner dim", w.shape[2], shapes)
+    return f32((ids.shape[0], ids.shape[1], w.shape[1]))
+
+
+@defop("expert_matmul", _expert_matmul_rule)
+def expert_matmul(x, w, ids):
+    """out[t, s] = x[t] (or x[t, s]) @ w[ids[t, s]]ᵀ. Rows are grouped by expert, and only
+    the selected experts' slices of w are read and dequantised."""
+    check_indices("expert_matmul", "expert id", ids, w.shape[0])
+    slots = ids.shape[1]
+    rows = x if x.ndim == 3 else np.broadcast_to(x[:, None, :], (x.shape[0], slots, x.shape[1]))
+    out = np.empty(ids.shape + (w.shape[1],), dtype=F32)
+    for expert in np.unique(ids):
+        t, s = np.nonzero(ids == expert)
+        out[t, s] = rows[t, s] @ as_f32(w[expert]).T
+    return out

@@ -1,0 +1,87 @@
+"""Rotary position embedding: partial NeoX RoPE, plus multi-section (M-RoPE / Qwen3.5 IMROPE).
+
+Precision: the angle is formed the way HF forms it, so our logits track HF's: inv_freq is
+float32 (theta^(2i/n_rot) rounded to f32, then an f32 reciprocal) and angle = f32(pos) *
+inv_freq is one f32 product. The f32 pow is rounded correctly (computed in f64), which is
+deterministic across platforms and within an ulp or two of any libm/Sleef powf. cos and sin
+are taken of the f32 angle in f64 and rounded, i.e. correctly rounded f32 results. An f64
+angle would be more accurate but would differ from HF by up to half an ulp of the angle
+(~5e-4 rad at position 10^4), the largest of these errors.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import DType
+from ..types import TensorType
+from .rules import bool_attr, check, defop, expect_dtype, expect_rank, expect_same, int_attr, ints_attr, number_attr
+
+F32 = np.float32
+_COMPONENTS = 3  # t, h, w
+
+
+def _rope_rule(x: TensorType, pos: TensorType, *, n_rot, theta, sections, interleaved) -> TensorType:
+    expect_dtype("x", x, DType.F32)
+    expect_rank("x", x, 3)
+    expect_dtype("pos", pos, DType.I32)
+    expect_rank("pos", pos, 1, 2)
+    expect_same("x rows", x.shape[0], "pos rows", pos.shape[0], (x, pos))
+    int_attr("n_rot", n_rot, minimum=2)
+    check(n_rot % 2 == 0, f"n_rot must be even, got {n_rot}")
+    if isinstance(x.shape[2], int):
+        check(n_rot <= x.shape[2], f"n_rot={n_rot} exceeds the head dim of {x}")
+    check(number_attr("theta", theta) > 0, f"theta must be positive, got {theta}")
+    sections = ints_attr("sections", sections)
+    bool_attr("interleaved", interleaved)
+    if sections:
+        check(len(sections) in (3, 4) and not any(sections[_COMPONENTS:]),
+              f"sections must be (t, h, w) or (t, h, w, 0), got {sections}")
+        check(sum(sections) == n_rot // 2, f"sections {sections} must sum to n_rot/2 = {n_rot // 2}")
+    else:
+        check(pos.rank == 1, f"pos {pos} has position components but no sections are given")
+        check(not interleaved, "interleaved needs sections")
+    if pos.rank == 2 and isinstance(pos.shape[1], int):
+        check(pos.shape[1] >= _COMPONENTS, f"pos {pos} needs at least {_COMPONENTS} components (t, h, w)")
+    return x
+
+
+def inv_freq_f32(n_rot: int, theta: float) -> np.ndarray:
+    """theta^(-2i/n_rot) for i < n_rot/2, rounded as HF's float32 computation rounds it."""
+    exponent = np.arange(0, n_rot, 2, dtype=F32) / F32(n_rot)
+    return F32(1) / (np.float64(F32(theta)) ** exponent.astype(np.float64)).astype(F32)
+
+
+def frequency_components(half: int, sections: tuple[int, ...], interleaved: bool) -> np.ndarray:
+    """Which position component (0=t, 1=h, 2=w) drives each of the `half` frequencies.
+
+    Interleaved (HF `apply_interleaved_mrope`): frequency j follows h if j%3==1 and
+    j < 3*sections[1], w if j%3==2 and j < 3*sections[2], else t. Contiguous: the first
+    sections[0] frequencies follow t, the next sections[1] h, the next sections[2] w."""
+    if not sections:
+        return np.zeros(half, dtype=np.int64)
+    if not interleaved:
+        return np.repeat(np.arange(_COMPONENTS), sections[:_COMPONENTS])
+    j = np.arange(half)
+    component = np.zeros(half, dtype=np.int64)
+    for c in (1, 2):
+        component[(j % 3 == c) & (j < 3 * sections[c])] = c
+    return component
+
+
+@defop("rope", _rope_rule)
+def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False):
+    """NeoX rotation of pairs (i, i + n_rot/2) over the first n_rot dims of each head, the
+    rest passed through. pos i32[T] (same position for every component) or i32[T, S]
+    (components t, h, w first) with `sections`."""
+    half = n_rot // 2
+    components = frequency_components(half, tuple(sections), interleaved)
+    per_component = pos if pos.ndim == 2 else np.broadcast_to(pos[:, None], (len(pos), _COMPONENTS))
+    positions = per_component[:, components]
+    angle = positions.astype(F32) * inv_freq_f32(n_rot, theta)
+    cos = np.cos(angle.astype(np.float64)).astype(F32)[:, None, :]
+    sin = np.sin(angle.astype(np.float64)).astype(F32)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:n_rot]
+    y = x.copy()
+    y[..., :half] = x1 * cos - x2 * sin
+    y[..., half:n_rot] = x2 * cos + x1 * sin
+    return y

@@ -1,0 +1,101 @@
+"""Numpy (de)quantisation of the GGUF weight types, bit-exact with ggml.
+
+Storage conventions (what `GGUFFile.raw` returns and what kernels consume):
+F32 -> float32, F16 -> float16, BF16 -> uint16 (the raw bits), Q8_0 -> uint8 whose last dim
+holds `K // 32` blocks of 34 bytes (fp16 scale `d`, then 32 int8 `qs`). Leading dims are free,
+so any row selection of a storage array is itself a valid storage array.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dflash_ir.dtypes import DType
+
+_Q8_0_SCALE_BYTES = 2
+
+
+def storage_shape(shape: Sequence[int], dtype: DType) -> tuple[int, ...]:
+    """Numpy storage shape of a tensor with logical `shape`: only block types change it."""
+    shape = tuple(int(d) for d in shape)
+    if not dtype.is_block:
+        return shape
+    if not shape or shape[-1] % dtype.block_size:
+        raise ValueError(
+            f"{dtype} needs a last dimension that is a multiple of {dtype.block_size}, got shape {shape}"
+        )
+    return (*shape[:-1], shape[-1] // dtype.block_size * dtype.block_bytes)
+
+
+def dequantize(storage: np.ndarray, dtype: DType) -> np.ndarray:
+    """Float32 values of `storage` (always a new, writable array)."""
+    storage = np.asarray(storage)
+    if dtype not in _FLOAT_TYPES:
+        raise ValueError(f"cannot dequantize {dtype}: not a floating-point storage type")
+    if storage.dtype != dtype.numpy():
+        raise ValueError(f"{dtype} storage must have numpy dtype {dtype.numpy()}, got {storage.dtype}")
+    if dtype is DType.BF16:
+        return (storage.astype(np.uint32) << 16).view(np.float32)
+    if dtype is DType.Q8_0:
+        return _dequantize_q8_0(storage)
+    return storage.astype(np.float32)
+
+
+def quantize(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """Storage array holding `x` rounded to `dtype` the way gguf-py / ggml round it."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype is DType.F32:
+        return x.copy()
+    if dtype is DType.F16:
+        return x.astype(np.float16)
+    if dtype is DType.BF16:
+        return _quantize_bf16(x)
+    if dtype is DType.Q8_0:
+        return quantize_q8_0(x)
+    raise ValueError(f"cannot quantize to {dtype}: not a floating-point storage type")
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Q8_0 storage of `x` (last dim a multiple of 32), as llama.cpp's quantize_row_q8_0_ref."""
+    x = np.asarray(x, dtype=np.float32)
+    out_shape = storage_shape(x.shape, DType.Q8_0)
+    blocks = x.reshape(-1, DType.Q8_0.block_size)
+    # Extreme blocks overflow exactly as in ggml (inf scale, NaN quants): that is the defined result.
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+        inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        qs = _round_half_away(blocks * inv_d).astype(np.int8)
+        packed = np.concatenate([d.astype(np.float16).view(np.uint8), qs.view(np.uint8)], axis=1)
+    return packed.reshape(out_shape)
+
+
+def _dequantize_q8_0(storage: np.ndarray) -> np.ndarray:
+    bb = DType.Q8_0.block_bytes
+    if storage.ndim == 0 or storage.shape[-1] % bb:
+        raise ValueError(
+            f"q8_0 storage needs a last dimension that is a multiple of {bb} bytes, got shape {storage.shape}"
+        )
+    blocks = storage.reshape(*storage.shape[:-1], storage.shape[-1] // bb, bb)
+    d = np.ascontiguousarray(blocks[..., :_Q8_0_SCALE_BYTES]).view(np.float16).astype(np.float32)
+    qs = blocks[..., _Q8_0_SCALE_BYTES:].view(np.int8).astype(np.float32)
+    with np.errstate(invalid="ignore"):  # an inf scale times a zero quant is NaN, as in ggml
+        return (qs * d).reshape(*storage.shape[:-1], -1)
+
+
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    """C `roundf`: float32 inputs are widened to float64 so adding 0.5 is exact."""
+    wide = v.astype(np.float64)
+    return np.trunc(wide + np.copysign(0.5, wide))
+
+
+def _quantize_bf16(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16: NaNs become quiet NaNs, everything else rounds to nearest even."""
+    bits = x.view(np.uint32).astype(np.uint64)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet_nan = ((bits & 0xFFFF0000) | 0x00400000) >> 16
+    return np.where(is_nan, quiet_nan, rounded).astype(np.uint16)
+
+
+_FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16, DType.Q8_0)

@@ -1,0 +1,148 @@
+"""dflash_ir.quant against gguf-py's bit-exact reference (gguf.quants)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from gguf import quants as ref
+
+from dflash_ir.dtypes import DType
+from dflash_ir.quant import dequantize, quantize, quantize_q8_0, storage_shape
+
+
+def _awkward_rows() -> np.ndarray:
+    """Blocks of 32 that stress rounding and scaling; one block per row."""
+    rng = np.random.default_rng(1)
+    ramp = np.arange(32, dtype=np.float32)
+    rows = [
+        np.zeros(32),  # d == 0: quants must be 0, not NaN
+        ramp - 15.5,  # many exact .5 ties after scaling (amax 15.5 -> id 127/15.5)
+        (ramp - 16) * np.float32(127 / 16),  # x*id lands on integers and halves
+        np.where(ramp % 2 == 0, 1.0, -1.0) * 127,  # amax exactly 127
+        -np.abs(rng.standard_normal(32)),  # all negative
+        rng.standard_normal(32) * 1e30,  # huge
+        rng.standard_normal(32) * 1e7,  # d overflows fp16
+        rng.standard_normal(32) * 1e-30,  # tiny
+        rng.standard_normal(32) * 1e-7,  # d underflows to fp16 subnormal / zero
+        np.full(32, 0.49999997),
+        np.concatenate([[1.0], np.zeros(31)]),
+    ]
+    return np.stack(rows).astype(np.float32)
+
+
+def _random(shape, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.uniform(-8, 8, size=shape[:-1] + (1,)))
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(32,), (7, 64), (2, 3, 96), (4, 1, 2, 256)])
+def test_q8_0_quantize_matches_gguf(shape):
+    x = _random(shape)
+    q = quantize_q8_0(x)
+    assert q.dtype == np.uint8 and q.shape == storage_shape(shape, DType.Q8_0)
+    assert np.array_equal(q, ref.quantize(x, GT.Q8_0))
+
+
+def test_q8_0_edge_blocks_match_gguf():
+    x = _awkward_rows()
+    with np.errstate(all="ignore"):
+        expected = ref.quantize(x, GT.Q8_0)
+    assert np.array_equal(quantize_q8_0(x), expected)
+    assert np.array_equal(quantize(x, DType.Q8_0), expected)
+
+
+def test_q8_0_round_half_away_from_zero():
+    x = np.zeros(32, np.float32)
+    x[:4] = [127.0, 0.5, -0.5, -1.5]  # amax 127 -> id 1: the values are the quants
+    qs = quantize_q8_0(x)[2:].view(np.int8)
+    assert qs[:4].tolist() == [127, 1, -1, -2]
+
+
+def test_q8_0_dequantize_matches_gguf():
+    rng = np.random.default_rng(2)
+    storage = rng.integers(0, 256, size=(5, 3, 4 * 34), dtype=np.uint8)
+    d = rng.standard_normal((5, 3, 4)).astype(np.float16)  # finite scales only
+    storage.reshape(5, 3, 4, 34)[..., :2] = d.view(np.uint8).reshape(5, 3, 4, 2)
+    got = dequantize(storage, DType.Q8_0)
+    assert got.dtype == np.float32 and got.shape == (5, 3, 128)
+    assert np.array_equal(got, ref.dequantize(storage, GT.Q8_0))
+
+
+def test_q8_0_dequantize_rows_of_a_table():
+    x = _random((10, 64))
+    q = quantize_q8_0(x)
+    rows = [7, 2, 2]
+    assert np.array_equal(dequantize(q[rows], DType.Q8_0), dequantize(q, DType.Q8_0)[rows])
+
+
+def test_q8_0_round_trip_error_bound():
+    x = (np.random.default_rng(5).standard_normal((16, 64)) * 3).astype(np.float32)  # fp16-normal scales
+    back = dequantize(quantize_q8_0(x), DType.Q8_0)
+    amax = np.abs(x.reshape(16, 2, 32)).max(axis=-1, keepdims=True)
+    err = np.abs(back - x).reshape(16, 2, 32)
+    half_step_plus_fp16_scale_error = 0.5 + 127 * 2.0**-11
+    assert np.all(err <= amax / 127 * half_step_plus_fp16_scale_error * 1.001)
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 33), (2, 2, 8)])
+def test_bf16_matches_gguf(shape):
+    x = _random(shape, seed=3)
+    x.flat[0] = np.nan
+    x.flat[-1] = -np.inf
+    bits = quantize(x, DType.BF16)
+    assert bits.dtype == np.uint16 and bits.shape == shape
+    assert np.array_equal(bits.view(np.uint8), ref.quantize(x, GT.BF16).reshape(*shape[:-1], -1))
+    expected = ref.dequantize(bits.view(np.uint8), GT.BF16)
+    assert np.array_equal(dequantize(bits, DType.BF16), expected, equal_nan=True)
+
+
+def test_bf16_rounds_to_nearest_even():
+    x = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20], np.float32)  # tie down, tie up, above tie
+    assert dequantize(quantize(x, DType.BF16), DType.BF16).tolist() == [1.0, 1 + 2**-6, 1 + 2**-7]
+
+
+def test_f16_and_f32_match_gguf():
+    x = _random((4, 40), seed=4)
+    half = quantize(x, DType.F16)
+    assert half.dtype == np.float16
+    assert np.array_equal(half, ref.quantize(x, GT.F16))
+    assert np.array_equal(dequantize(half, DType.F16), ref.dequantize(half, GT.F16))
+    full = quantize(x, DType.F32)
+    assert np.array_equal(dequantize(full, DType.F32), x)
+
+
+def test_dequantize_returns_a_writable_copy():
+    x = np.ones((2, 4), np.float32)
+    x.flags.writeable = False
+    out = dequantize(x, DType.F32)
+    out[0, 0] = 5
+    assert x[0, 0] == 1
+
+
+def test_storage_shape():
+    assert storage_shape((248320, 64), DType.Q8_0) == (248320, 68)
+    assert storage_shape((3, 5), DType.BF16) == (3, 5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        storage_shape((4, 48), DType.Q8_0)
+
+
+@pytest.mark.parametrize(
+    ("storage", "dtype", "match"),
+    [
+        (np.zeros((2, 33), np.uint8), DType.Q8_0, "multiple of 34"),
+        (np.zeros(4, np.float32), DType.F16, "numpy dtype float16"),
+        (np.zeros(4, np.float16), DType.BF16, "numpy dtype uint16"),
+        (np.zeros(4, np.int32), DType.I32, "cannot dequantize i32"),
+    ],
+)
+def test_dequantize_rejects_bad_storage(storage, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        dequantize(storage, dtype)
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(np.zeros((2, 40), np.float32))
+    with pytest.raises(ValueError, match="cannot quantize to i32"):
+        quantize(np.zeros(4), DType.I32)

@@ -1,0 +1,76 @@
+"""The backend interface, split the way tinygrad and TVM split it.
+
+- compile: graph -> whatever files the backend needs in the artifact (works without the
+  device: source, SPIR-V, cubin ...), described by a JSON-able program entry;
+- load/run: program entry + artifact folder + weights -> a Program that runs on the device.
+
+A Program runs one graph: `run(inputs, states) -> RunResult(outputs, states)` with numpy
+arrays on the host side. Backends that keep state on the device may return device-backed
+arrays; the runtime only indexes and passes them back.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+from dflash_ir.interpreter import RunResult, WeightLoader
+from dflash_ir.ir import Graph
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here; the message says why and what would fix it."""
+
+
+class Program(Protocol):
+    graph: Graph
+
+    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray]) -> RunResult: ...
+
+
+class Backend(ABC):
+    name: str = ""
+
+    def unavailable_reason(self) -> str | None:
+        """None when the backend can run here, else a sentence saying why not."""
+        return None
+
+    def require(self) -> None:
+        reason = self.unavailable_reason()
+        if reason:
+            raise BackendUnavailable(f"backend {self.name!r} cannot run here: {reason}")
+
+    def device_description(self) -> str:
+        return "host CPU"
+
+    @abstractmethod
+    def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
+        """Write the program's files under out_dir; return its manifest entry (paths relative to out_dir)."""
+
+    @abstractmethod
+    def load(self, graph: Graph, entry: Mapping[str, Any], artifact_dir: Path, weights: WeightLoader) -> Program:
+        """Make a runnable program from its manifest entry."""
+
+
+_BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str) -> Backend:
+    from . import numpy_backend  # noqa: F401  (registers itself)
+
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
+    return _BACKENDS[name]()
+
+
+def known_backends() -> list[str]:
+    from . import numpy_backend  # noqa: F401
+
+    return sorted(_BACKENDS)

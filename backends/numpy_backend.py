@@ -1,0 +1,21 @@
+"""The reference backend: programs run on the IR interpreter (numpy)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from dflash_ir.interpreter import Interpreter, WeightLoader
+from dflash_ir.ir import Graph
+
+from .base import Backend, register_backend
+
+
+@register_backend
+class NumpyBackend(Backend):
+    name = "numpy"
+
+    def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
+        return {"kernels": []}
+
+    def load(self, graph: Graph, entry: Mapping[str, Any], artifact_dir: Path, weights: WeightLoader) -> Interpreter:
+        return Interpreter(graph, weights)

@@ -1,0 +1,51 @@
+"""`dflash-compile TARGET.gguf [DRAFT.gguf] -o OUT/ [--backend B]`: GGUF pair -> artifact."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from dflash_ir.artifact import DEFAULT_CTX, compile_pair
+from dflash_ir.errors import DflashError
+
+
+def add_compile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CTX, help=f"context size in tokens (default {DEFAULT_CTX})")
+    p.add_argument("--backend", default="auto", help="numpy, or auto (best backend present) (default auto)")
+    p.add_argument("--spec-draft-n-max", type=int, default=15, help="default number of proposals per round (default 15)")
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` picks the best backend that can run here."""
+    if name != "auto":
+        return name
+    from dflash_ir.backends.base import get_backend, known_backends
+
+    for candidate in ("cuda", "opencl", "numpy"):
+        if candidate in known_backends() and get_backend(candidate).unavailable_reason() is None:
+            return candidate
+    return "numpy"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-compile", description="Compile a target GGUF and its DFlash draft GGUF "
+                                "into a dflash-ir artifact.")
+    p.add_argument("target", help="target model GGUF (qwen35 / qwen35moe)")
+    p.add_argument("draft", nargs="?", help="DFlash draft GGUF (arch dflash); omit for a target-only artifact")
+    p.add_argument("-o", "--output", required=True, help="artifact folder to write")
+    add_compile_args(p)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        out = compile_pair(args.target, args.draft, out=args.output, backend=resolve_backend(args.backend),
+                           n_ctx=args.ctx_size, n_max=args.spec_draft_n_max,
+                           progress=lambda msg: print(f"dflash-compile: {msg}", file=sys.stderr, flush=True))
+    except (DflashError, ValueError, OSError) as e:
+        print(f"dflash-compile: error: {e}", file=sys.stderr)
+        return 1
+    print(f"dflash-compile: done in {time.perf_counter() - t0:.1f}s -> {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

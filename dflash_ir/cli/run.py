@@ -1,0 +1,84 @@
+"""`dflash-run`: generate with DFlash speculative decoding, flags as in llama.cpp.
+
+    dflash-run -m target.gguf -md draft.gguf -p "def fib(n):" -n 64
+    dflash-run --artifact OUT/ --jinja -p "What is 17 * 23?" --no-think
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from dflash_ir.errors import DflashError
+from dflash_ir.runtime.sampling import SamplingParams
+
+from .compile import add_compile_args, resolve_backend
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-run", description="Generate text with DFlash speculative decoding.")
+    src = p.add_argument_group("model")
+    src.add_argument("-m", "--model", help="target GGUF (compiled on the fly into --artifact or a temp folder)")
+    src.add_argument("-md", "--model-draft", help="DFlash draft GGUF")
+    src.add_argument("--artifact", help="artifact folder from dflash-compile (or where to write one with -m)")
+    add_compile_args(src)
+    gen = p.add_argument_group("generation")
+    gen.add_argument("-p", "--prompt", required=True, help="prompt text (the user message with --jinja)")
+    gen.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    gen.add_argument("--jinja", action="store_true", help="apply the model's chat template to the prompt")
+    gen.add_argument("-sys", "--system-prompt", help="system message (with --jinja)")
+    gen.add_argument("--no-think", action="store_true", help="chat with thinking disabled (enable_thinking=false)")
+    gen.add_argument("--temp", type=float, default=0.0, help="temperature, 0 = greedy (default 0)")
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--min-p", type=float, default=0.05)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-spec", action="store_true", help="target only (no draft), for comparison")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--stats-json", help="write the generation stats to this JSON file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dflash_ir.artifact import compile_pair, load_compiled
+
+    try:
+        if args.model:
+            out = Path(args.artifact or tempfile.mkdtemp(prefix="dflash-ir-"))
+            compile_pair(args.model, args.model_draft, out=out, backend=resolve_backend(args.backend),
+                         n_ctx=args.ctx_size, n_max=args.spec_draft_n_max,
+                         progress=lambda msg: print(f"dflash-run: {msg}", file=sys.stderr, flush=True))
+        elif args.artifact:
+            out = Path(args.artifact)
+        else:
+            print("dflash-run: error: give -m TARGET.gguf [-md DRAFT.gguf] or --artifact DIR", file=sys.stderr)
+            return 2
+        engine = load_compiled(out, n_max=args.spec_draft_n_max)
+        kw = dict(max_tokens=args.n_predict, speculative=not args.no_spec and engine.draft is not None,
+                  ignore_eos=args.ignore_eos,
+                  sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed))
+        if args.jinja:
+            messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
+            messages.append({"role": "user", "content": args.prompt})
+            pieces = engine.stream(messages=messages, enable_thinking=not args.no_think, **kw)
+        else:
+            print(args.prompt, end="", flush=True)
+            pieces = engine.stream(args.prompt, **kw)
+        for piece in pieces:
+            print(piece, end="", flush=True)
+        print()
+        stats = engine.last_stats
+        print("\n" + stats.summary(), file=sys.stderr)
+        if args.stats_json:
+            Path(args.stats_json).write_text(json.dumps(stats.to_dict(), indent=2))
+    except (DflashError, ValueError, OSError) as e:
+        print(f"dflash-run: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

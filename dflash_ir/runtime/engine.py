@@ -1,0 +1,191 @@
+"""The engine: prompt in, tokens out, with DFlash speculative decoding or target-only.
+
+One round (DFLASH.md §3.1, z-lab's reference loop):
+  1. inject the target features of the newly committed rows into the draft's cache;
+  2. draft the block [anchor, MASK x (B-1)] once; proposals = argmax of rows 1..B-1,
+     truncated to n_max (the draft always sees the whole block);
+  3. verify [anchor, proposals...] with one target pass;
+  4. sample the target's rows in order and accept proposals while they equal the sample;
+     the first sample that differs (or the one after the last proposal) is the bonus token;
+  5. roll the target back to the committed rows; keep only the accepted rows' features.
+The first anchor is the token sampled from the prefill logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from dflash_ir.errors import ContextOverflowError
+
+from .draft_runner import DraftRunner
+from .sampling import Sampler, SamplingParams
+from .stats import GenerationStats
+from .target_runner import TargetRunner
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    stats: GenerationStats
+    rounds: list[dict] = field(default_factory=list)  # per round: anchor_pos, anchor, proposals, accepted
+
+
+class Engine:
+    def __init__(self, target: TargetRunner, draft: DraftRunner | None, tokenizer=None, chat_template=None,
+                 *, n_max: int = 15, info: dict | None = None):
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.n_max = n_max
+        self.info = info or {}
+        self.last_stats: GenerationStats | None = None
+
+    @property
+    def n_ctx(self) -> int:
+        return self.target.n_ctx
+
+    # -- prompts ----------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                      enable_thinking: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass prompt_ids")
+        if messages is not None:
+            if self.chat_template is None:
+                raise ValueError("the target GGUF has no chat template (tokenizer.chat_template): pass a plain prompt")
+            prompt = self.chat_template.render(list(messages), add_generation_prompt=True, enable_thinking=enable_thinking)
+        if prompt is None:
+            raise ValueError("give a prompt, messages or prompt_ids")
+        return self.tokenizer.encode(prompt, parse_special=True)
+
+    # -- generation -------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, **kw) -> Generation:
+        gen = self._generation(prompt, **kw)
+        tokens: list[int] = []
+        for piece in gen:
+            tokens.extend(piece)
+        return self._finish(tokens)
+
+    def stream(self, prompt: str | None = None, **kw) -> Iterator[str]:
+        """Yields text pieces as tokens are committed (valid UTF-8 only); stats in `last_stats`."""
+        from dflash_ir.models.tokenizer import StreamDecoder
+
+        decoder = StreamDecoder(self.tokenizer)
+        for piece in self._generation(prompt, **kw):
+            for t in piece:
+                text = decoder.feed(t)
+                if text:
+                    yield text
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+    def _finish(self, tokens: list[int]) -> Generation:
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        return Generation(tokens, text, self._stats, self._rounds)
+
+    def _generation(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
+                    sampling: SamplingParams = SamplingParams(), speculative: bool = True, n_max: int | None = None,
+                    stop: Sequence[str] = (), ignore_eos: bool = False, enable_thinking: bool = True) -> Iterator[list[int]]:
+        ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(prompt, messages=messages,
+                                                                                enable_thinking=enable_thinking)
+        if speculative and self.draft is None:
+            raise ValueError("speculative decoding needs a draft model: compile with one, or use speculative=False")
+        if len(ids) >= self.n_ctx:
+            raise ContextOverflowError(f"the prompt has {len(ids)} tokens but the context size is {self.n_ctx}; "
+                                       f"compile with a larger context (dflash-compile -c N) or shorten the prompt")
+        n_max = self.n_max if n_max is None else n_max
+        if speculative and not 1 <= n_max < self.draft.block_size:
+            raise ValueError(f"n_max must be in 1..{self.draft.block_size - 1} (block size {self.draft.block_size}), got {n_max}")
+        stats = GenerationStats(mode="speculative" if speculative else "target-only", prompt_tokens=len(ids))
+        self._stats, self._rounds, self.last_stats = stats, [], stats
+        sampler = Sampler(sampling)
+        stop_ids = set() if ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
+        stopper = _Stopper(self.tokenizer, stop_ids, stop, max_tokens, stats)
+
+        self.target.reset()
+        if self.draft is not None:
+            self.draft.reset()
+        with stats.timed("prefill"):
+            out = self.target.prefill(ids)
+        with stats.timed("sample"):
+            token = sampler.sample(out.logits[-1])
+        emitted = stopper.admit([token])
+        yield emitted
+        if stopper.done:
+            return
+        features = out.features
+
+        while True:
+            start = self.target.n_past  # position of the anchor `token`
+            room = self.n_ctx - start
+            if room < 1:
+                stats.stop_reason = f"context full ({self.n_ctx} tokens)"
+                return
+            if speculative:
+                with stats.timed("draft"):
+                    self.draft.inject(features)
+                    proposals = [int(t) for t in self.draft.propose(token)[0][:min(n_max, room - 1)]]
+                with stats.timed("verify"):
+                    out = self.target.verify([token, *proposals])
+                with stats.timed("sample"):
+                    accepted, bonus = _sample_and_match(sampler, out.logits, proposals)
+                with stats.timed("rollback"):
+                    self.target.commit(accepted + 1)
+                stats.record_round(len(proposals), accepted)
+                self._rounds.append({"anchor_pos": start, "anchor": token, "proposals": proposals, "accepted": accepted})
+                features = out.features[:accepted + 1] if out.features is not None else None
+                new = [*proposals[:accepted], bonus]
+            else:
+                with stats.timed("decode"):
+                    out = self.target.decode(token)
+                with stats.timed("sample"):
+                    new = [sampler.sample(out.logits[-1])]
+            token = new[-1]
+            emitted = stopper.admit(new)
+            if emitted:
+                yield emitted
+            if stopper.done:
+                return
+
+
+def _sample_and_match(sampler: Sampler, logits: np.ndarray, proposals: Sequence[int]) -> tuple[int, int]:
+    """Accepted proposal count and the target's own next token (the bonus)."""
+    for i, p in enumerate(proposals):
+        t = sampler.sample(logits[i])
+        if t != p:
+            return i, t
+    return len(proposals), sampler.sample(logits[len(proposals)])
+
+
+class _Stopper:
+    """Applies EOS, stop strings and the token budget to committed tokens."""
+
+    def __init__(self, tokenizer, stop_ids: set[int], stop_strings: Sequence[str], max_tokens: int, stats):
+        self.tokenizer, self.stop_ids, self.stop_strings = tokenizer, stop_ids, tuple(stop_strings)
+        self.max_tokens, self.stats = max_tokens, stats
+        self.tokens: list[int] = []
+        self.done = max_tokens <= 0
+
+    def admit(self, new: list[int]) -> list[int]:
+        kept = []
+        for t in new:
+            if self.done:
+                break
+            kept.append(t)
+            self.tokens.append(t)
+            if t in self.stop_ids:
+                self._stop("eos")
+            elif len(self.tokens) >= self.max_tokens:
+                self._stop("max tokens")
+            elif self.stop_strings and any(s in self.tokenizer.decode(self.tokens[-64:]) for s in self.stop_strings):
+                self._stop("stop string")
+        self.stats.generated_tokens = len(self.tokens)
+        return kept
+
+    def _stop(self, reason: str) -> None:
+        self.done = True
+        self.stats.stop_reason = reason

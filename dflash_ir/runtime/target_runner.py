@@ -1,0 +1,108 @@
+"""Drives the target's programs and owns its state, including speculative rollback.
+
+Rollback design: attention KV caches have a fixed capacity and a length (`n_past`); rows
+past it are ignored by attention and overwritten by the next write, so trimming attention
+is free. The verify program writes per-row conv and recurrent states of every Gated
+DeltaNet layer; `commit(n)` keeps row n-1's. Memory for that is, per verify of T rows,
+T x (conv + recurrent state) per GDN layer (Qwen3.5-9B, T=16: 16 x 24 x 2.1 MB = 0.8 GB in
+f32); the alternative, checkpoint + replay, costs a second target pass on every partial
+acceptance.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from dflash_ir.errors import ContextOverflowError
+
+from .state import zero_states
+
+
+@dataclass
+class TargetOutput:
+    logits: np.ndarray  # [rows asked for, vocab]
+    features: np.ndarray | None  # [T, n_taps * hidden] or None without taps
+
+
+class TargetRunner:
+    def __init__(self, programs: Mapping[str, object], n_ctx: int):
+        self.programs = programs
+        self.n_ctx = n_ctx
+        self._row_state = dict(programs["verify"].graph.meta_dict.get("row_states", ()))
+        self.reset()
+
+    def reset(self) -> None:
+        self.states = zero_states(self.programs["prefill"].graph, self.n_ctx)
+        self.n_past = 0
+        self._pending = None
+
+    def _run(self, kind: str, tokens, logit_rows) -> tuple[TargetOutput, object]:
+        tokens = np.asarray(tokens, np.int32)
+        T = len(tokens)
+        if self.n_past + T > self.n_ctx:
+            raise ContextOverflowError(
+                f"context overflow: {self.n_past} cached + {T} new tokens exceed the context size {self.n_ctx}; "
+                f"compile with a larger context (dflash-compile -c N) or shorten the prompt")
+        inputs = {
+            "tokens": tokens,
+            "positions": np.arange(self.n_past, self.n_past + T, dtype=np.int32),
+            "pos": np.int32(self.n_past),
+            "kv_len": np.int32(self.n_past + T),
+            "logit_rows": np.asarray(logit_rows, np.int32),
+        }
+        res = self.programs[kind].run(inputs, self.states)
+        return TargetOutput(res.outputs["logits"], res.outputs.get("features")), res
+
+    def prefill(self, tokens, *, chunk: int = 512, all_logits: bool = False) -> TargetOutput:
+        """Process prompt rows in chunks; returns the last row's logits (every row's with
+        all_logits) and every row's features."""
+        tokens = np.asarray(tokens, np.int32)
+        if len(tokens) == 0:
+            raise ValueError("prefill needs at least one token")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"prompt of {len(tokens)} tokens (+{self.n_past} cached) does not fit the context size {self.n_ctx}; "
+                f"compile with a larger context (dflash-compile -c N) or shorten the prompt")
+        feats, logits = [], []
+        for s in range(0, len(tokens), chunk):
+            part = tokens[s:s + chunk]
+            rows = np.arange(len(part)) if all_logits else [len(part) - 1]
+            out, res = self._run("prefill", part, rows)
+            self.states = {**self.states, **res.states}
+            self.n_past += len(part)
+            logits.append(out.logits)
+            if out.features is not None:
+                feats.append(out.features)
+        return TargetOutput(np.concatenate(logits) if all_logits else logits[-1],
+                            np.concatenate(feats) if feats else None)
+
+    def decode(self, token: int) -> TargetOutput:
+        out, res = self._run("decode", [token], [0])
+        self.states = {**self.states, **res.states}
+        self.n_past += 1
+        return out
+
+    def verify(self, tokens) -> TargetOutput:
+        """Run a block on top of the committed state; nothing is committed until `commit`."""
+        tokens = np.asarray(tokens, np.int32)
+        out, res = self._run("verify", tokens, np.arange(len(tokens)))
+        self._pending = res
+        return out
+
+    def commit(self, n_rows: int) -> None:
+        """Keep the first n_rows rows of the last verify: state becomes 'after row n_rows-1'."""
+        res = self._pending
+        if res is None:
+            raise RuntimeError("commit() without a preceding verify()")
+        T = len(res.outputs["logits"])
+        if not 1 <= n_rows <= T:
+            raise ValueError(f"commit of {n_rows} rows, verify had {T}")
+        new = dict(self.states)
+        for name, value in res.states.items():
+            rows = self._row_state.get(name)
+            new[name] = res.outputs[rows][n_rows - 1] if rows else value
+        self.states = new
+        self.n_past += n_rows
+        self._pending = None

@@ -61,7 +61,7 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
               progress: Callable[[str], None] = lambda msg: None) -> ModelPair:
     """Open and validate the files and build the graphs. Tap layers come from the draft, or
     from `taps` (HF 0-based layer ids) for a target alone."""
-    from dflash_ir.models.config import DraftConfig, TargetConfig, check_pair
+    from dflash_ir.models.config import DraftConfig, TargetConfig, check_pair, validate_tensors
     from dflash_ir.models.dflash import DFlashBuilder
     from dflash_ir.models.gguf_file import open_gguf
     from dflash_ir.models.qwen35 import GraphSpec, Qwen35Builder
@@ -69,11 +69,13 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
     progress(f"reading {target}")
     tgt = open_gguf(target)
     tcfg = TargetConfig.from_gguf(tgt)
+    validate_tensors(tgt, tcfg)
     pair = ModelPair({"target": tgt}, {"target": tcfg}, {}, tuple(taps))
     if draft is not None:
         progress(f"reading {draft}")
         dft = open_gguf(draft)
         dcfg = DraftConfig.from_gguf(dft)
+        validate_tensors(dft, dcfg)
         check_pair(dcfg, tcfg, draft_path=dft.path, target_path=tgt.path)
         pair.files["draft"], pair.configs["draft"] = dft, dcfg
         db = DFlashBuilder(dft, dcfg, tgt, tcfg)

@@ -39,11 +39,6 @@ class DFlashBuilder:
     def _rope(self, b: GraphBuilder, x: Value, positions: Value) -> Value:
         return b.rope(x, positions, n_rot=self.cfg.n_rot, theta=self.cfg.rope_theta)
 
-    def _window(self, i: int) -> int:
-        """Sliding-window size of layer i (0 = full attention)."""
-        swa = self.cfg.swa_layers
-        return self.cfg.sliding_window if swa and swa[i] else 0
-
     def _kv(self, b: GraphBuilder, i: int, x: Value, positions: Value) -> tuple[Value, Value]:
         cfg = self.cfg
         rows = x.type.shape[0]
@@ -92,7 +87,7 @@ class DFlashBuilder:
                 k_all = b.kv_write(k_cache, k, pos, name="k_block")
                 v_all = b.kv_write(v_cache, v, pos, name="v_block")
                 a = b.attention(q, k_all, v_all, kv_len, scale=1.0 / math.sqrt(cfg.head_dim), causal=False,
-                                window=self._window(i))
+                                window=cfg.layer_window(i))
                 h = b.add(h, self._linear(b, b.reshape(a, shape=(B, cfg.n_head * cfg.head_dim)),
                                           f"blk.{i}.attn_output.weight"), name="resid_attn")
                 x = b.rmsnorm(h, self._w(b, f"blk.{i}.ffn_norm.weight"), eps=cfg.rms_eps)

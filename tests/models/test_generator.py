@@ -1,0 +1,237 @@
+"""The tiny-model generator writes what llama.cpp writes.
+
+The layout tests rebuild the configs of the oracle fixtures from their description files
+(fixtures/oracle/*/gguf/*.gguf.txt: real llama.cpp conversions), generate the same models
+and compare metadata keys, types and values and the full tensor table (name, type, ne, in
+file order). Only values that come from the real checkpoint are not compared: the model
+name, the tokenizer arrays and chat template, and the eos/padding ids (our tiny vocabulary
+puts its special tokens elsewhere; the vocabulary size itself is the real 248320).
+"""
+
+import ast
+import dataclasses
+import re
+
+import jinja2
+import numpy as np
+import pytest
+from dflash_ir.models.config import (
+    DraftConfig,
+    TargetConfig,
+    converter_keeps_f32,
+    validate_tensors,
+)
+from dflash_ir.models.generator import (
+    TINY_MASK_ID,
+    TINY_MIN_VOCAB,
+    TINY_SPECIAL_IDS,
+    draft_plan,
+    target_plan,
+    tiny_draft_config,
+    tiny_target_config,
+    tiny_vocab,
+    write_draft,
+    write_gguf,
+    write_target,
+)
+from dflash_ir.models.gguf_file import open_gguf
+from dflash_ir.models.tokenizer import Tokenizer, TokenType
+
+from dflash_ir.dtypes import DType
+
+UNCOMPARED = {
+    "general.name",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.chat_template",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.padding_token_id",
+}
+_META_LINE = re.compile(r"^(?P<key>[^:\s]+): (?P<type>\S+)(?: n=\d+)?(?: = (?P<value>.*)| first=.*)$")
+
+
+def describe_fixture(path):
+    """(metadata [(key, type, value or None if summarised)], tensors [(name, type, ne)]) of a .gguf.txt."""
+    meta, tensors, section = [], [], None
+    for line in path.read_text().splitlines():
+        if line.startswith("["):
+            section = line[1:].split("]")[0]
+        elif section == "metadata" and line:
+            m = _META_LINE.match(line)
+            value = m["value"]
+            meta.append((m["key"], m["type"], None if value is None else ast.literal_eval(value)))
+        elif section == "tensors" and " | " in line:
+            name, ggml_type, ne = line.split(" | ")[:3]
+            tensors.append((name, ggml_type, ast.literal_eval(ne)))
+    return meta, tensors
+
+
+def describe_file(f):
+    meta = [(k, f.metadata_types[k], v) for k, v in f.metadata.items()]
+    tensors = [(t.name, t.dtype.value.upper(), list(t.ggml_shape)) for t in f.tensors.values()]
+    return meta, tensors
+
+
+def as_stored(cfg):
+    """`cfg` with its float fields rounded to float32, as a GGUF holds them."""
+    return dataclasses.replace(
+        cfg, rms_eps=float(np.float32(cfg.rms_eps)), rope_theta=float(np.float32(cfg.rope_theta))
+    )
+
+
+def assert_same_layout(ours, theirs):
+    (our_meta, our_tensors), (their_meta, their_tensors) = ours, theirs
+    assert our_tensors == their_tensors
+    assert [(k, t) for k, t, _ in our_meta] == [(k, t) for k, t, _ in their_meta]
+    for (key, _, ours_v), (_, _, theirs_v) in zip(our_meta, their_meta):
+        if key in UNCOMPARED:
+            continue
+        if isinstance(theirs_v, float):
+            assert np.float32(ours_v) == np.float32(theirs_v), key
+        else:
+            assert ours_v == theirs_v, key
+
+
+@pytest.fixture(scope="module")
+def fixture_configs(oracle_dir):
+    """kind -> (target cfg, draft cfg) rebuilt from the fixtures' description files."""
+
+    def build(kind):
+        meta, tensors = describe_fixture(oracle_dir / kind / "gguf" / f"{kind}-target-f16.gguf.txt")
+        ne = {name: shape for name, _, shape in tensors}
+        target = TargetConfig.from_metadata(
+            {k: v for k, _, v in meta}, vocab_size=ne["token_embd.weight"][1], tied_output="output.weight" not in ne
+        )
+        meta, tensors = describe_fixture(oracle_dir / kind / "gguf" / f"{kind}-dflash-f16.gguf.txt")
+        fc = next(shape for name, _, shape in tensors if name == "fc.weight")
+        return target, DraftConfig.from_metadata({k: v for k, _, v in meta}, fc_in=fc[0])
+
+    return {kind: build(kind) for kind in ("dense", "moe")}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_target_layout_matches_llama_cpp(fixture_configs, oracle_dir, tmp_path, kind, dtype):
+    cfg = fixture_configs[kind][0]
+    f = open_gguf(write_target(tmp_path / "t.gguf", cfg, dtype=dtype))
+    assert_same_layout(
+        describe_file(f), describe_fixture(oracle_dir / kind / "gguf" / f"{kind}-target-{dtype}.gguf.txt")
+    )
+    assert TargetConfig.from_gguf(f) == cfg
+    validate_tensors(f, cfg)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_draft_layout_matches_llama_cpp(fixture_configs, oracle_dir, tmp_path, kind):
+    target, cfg = fixture_configs[kind]
+    f = open_gguf(write_draft(tmp_path / "d.gguf", cfg, target_cfg=target))
+    assert_same_layout(describe_file(f), describe_fixture(oracle_dir / kind / "gguf" / f"{kind}-dflash-f16.gguf.txt"))
+    assert DraftConfig.from_gguf(f) == cfg
+    validate_tensors(f, cfg)
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_generated_files_load_back(tmp_path, arch, dtype):
+    target = tiny_target_config(arch, n_nextn=1, tied_output=False)
+    draft = tiny_draft_config(target)
+    t = open_gguf(write_target(tmp_path / "t.gguf", target, dtype=dtype))
+    d = open_gguf(write_draft(tmp_path / "d.gguf", draft, target_cfg=target, dtype=dtype))
+    assert TargetConfig.from_gguf(t) == as_stored(target)
+    assert DraftConfig.from_gguf(d) == as_stored(draft)
+    validate_tensors(t, target)
+    validate_tensors(d, draft)
+    weight_type = DType.parse(dtype)
+    for f in (t, d):
+        for info in f.tensors.values():
+            assert info.dtype == (DType.F32 if converter_keeps_f32(info.name, len(info.ggml_shape)) else weight_type)
+
+
+def test_values_follow_converted_weights(tmp_path):
+    cfg = tiny_target_config("qwen35moe", n_nextn=1, ssm_dt_rank=32)
+    f = open_gguf(write_target(tmp_path / "t.gguf", cfg, dtype="f32", seed=3))
+    norms = np.concatenate([f.dequantize(n).ravel() for n in f.tensors if n.endswith("norm.weight")])
+    assert abs(norms.mean() - 1) < 0.02 and 0.08 < norms.std() < 0.12  # the converter's baked-in +1
+    ssm_a = f.dequantize("blk.0.ssm_a")
+    assert ((ssm_a <= -0.5) & (ssm_a >= -8)).all()  # -exp(A_log), A_log = log U(0.5, 8)
+    assert 0.45 < f.dequantize("token_embd.weight").std() < 0.55
+    for name in ("ssm_conv1d.weight", "ssm_dt.bias"):
+        values = np.concatenate([f.dequantize(f"blk.{i}.{name}").ravel() for i in cfg.recurrent_layers])
+        assert 0.4 < values.std() < 0.6, name
+    for name in ("blk.0.attn_qkv.weight", "blk.3.ffn_down_exps.weight", "blk.4.nextn.eh_proj.weight"):
+        w = f.dequantize(name)
+        assert abs(w.std() * np.sqrt(w.shape[-1]) - 1) < 0.15, name  # N(0, 1/fan_in)
+
+
+def test_seed_determines_weights(tmp_path):
+    cfg = tiny_target_config()
+    a, b, c = (write_target(tmp_path / f"{i}.gguf", cfg, seed=s) for i, s in enumerate((1, 1, 2)))
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+
+
+def test_irregular_layer_pattern_uses_recurrent_layers_key(tmp_path):
+    cfg = tiny_target_config(layer_is_recurrent=(True, False, False, True, True), n_layer=5, n_nextn=1)
+    plan = target_plan(cfg)
+    assert plan.metadata["qwen35.attention.recurrent_layers"] == [True, False, False, True, True, False]
+    assert "qwen35.full_attention_interval" not in plan.metadata
+    f = open_gguf(write_gguf(tmp_path / "t.gguf", plan))
+    assert TargetConfig.from_gguf(f) == as_stored(cfg)
+
+
+def test_q8_0_needs_whole_blocks():
+    cfg = tiny_target_config(hidden=48)
+    target_plan(cfg, dtype="f16")
+    with pytest.raises(ValueError, match=r"q8_0: tensor token_embd.weight has rows of 48 elements .*multiple of 32"):
+        target_plan(cfg, dtype="q8_0")
+
+
+def test_unknown_file_dtype():
+    with pytest.raises(ValueError, match="unsupported file dtype 'q4_0'"):
+        target_plan(tiny_target_config(), dtype="q4_0")
+
+
+def test_tiny_vocab_is_a_working_qwen_style_tokenizer():
+    meta = tiny_vocab(300)
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    assert len(tokens) == len(types) == 300
+    assert tokens[:4] == ["!", '"', "#", "$"] and tokens[-1] == "[PAD299]" and types[-1] == TokenType.UNUSED
+    for text, i in TINY_SPECIAL_IDS.items():
+        assert tokens[i] == text
+        assert types[i] == (TokenType.USER_DEFINED if "think" in text else TokenType.CONTROL)
+    assert tokens[TINY_MASK_ID] == "<|MASK|>"
+    for merge in meta["tokenizer.ggml.merges"]:
+        left, right = merge.split(" ")
+        assert {left, right, left + right} <= set(tokens)
+    tok = Tokenizer.from_metadata(meta)
+    text = "<|im_start|>user\nthe user<|im_end|>\n"
+    ids = tok.encode(text)
+    assert ids[0] == TINY_SPECIAL_IDS["<|im_start|>"] and tokens.index("user") in ids and tok.decode(ids) == text
+    render = jinja2.Template(meta["tokenizer.chat_template"]).render
+    messages = [{"role": "user", "content": "hi"}]
+    assert (
+        render(messages=messages, add_generation_prompt=True)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+    assert render(messages=messages, add_generation_prompt=True, enable_thinking=False).endswith(
+        "<think>\n\n</think>\n\n"
+    )
+    with pytest.raises(ValueError, match=f"vocab_size >= {TINY_MIN_VOCAB}"):
+        tiny_vocab(TINY_MIN_VOCAB - 1)
+
+
+def test_draft_carries_target_tokenizer_and_mask_id():
+    target = tiny_target_config(vocab_size=400)
+    meta = draft_plan(tiny_draft_config(target), target_cfg=target).metadata
+    assert len(meta["tokenizer.ggml.tokens"]) == 400
+    assert meta["tokenizer.ggml.mask_token_id"] == TINY_MASK_ID
+    assert meta["dflash.target_layers"] == [2, 3]  # HF taps 1 and n_layer - 2, stored + 1
+
+
+def test_tiny_configs_reject_inconsistent_overrides():
+    with pytest.raises(ValueError, match=r"tiny_target_config: qwen35.attention.head_count_kv = 3"):
+        tiny_target_config(n_head_kv=3)
+    with pytest.raises(ValueError, match=r"tiny_draft_config: dflash.block_size = 1"):
+        tiny_draft_config(tiny_target_config(), block_size=1)

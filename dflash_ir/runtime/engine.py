@@ -63,7 +63,7 @@ class Engine:
 
     # -- generation -------------------------------------------------------------------
     def generate(self, prompt: str | None = None, **kw) -> Generation:
-        gen = self._generation(prompt, **kw)
+        gen = self.iter_tokens(prompt, **kw)
         tokens: list[int] = []
         for piece in gen:
             tokens.extend(piece)
@@ -74,7 +74,7 @@ class Engine:
         from dflash_ir.models.tokenizer import StreamDecoder
 
         decoder = StreamDecoder(self.tokenizer)
-        for piece in self._generation(prompt, **kw):
+        for piece in self.iter_tokens(prompt, **kw):
             for t in piece:
                 text = decoder.feed(t)
                 if text:
@@ -87,9 +87,11 @@ class Engine:
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         return Generation(tokens, text, self._stats, self._rounds)
 
-    def _generation(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
+    def iter_tokens(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
                     sampling: SamplingParams = SamplingParams(), speculative: bool = True, n_max: int | None = None,
                     stop: Sequence[str] = (), ignore_eos: bool = False, enable_thinking: bool = True) -> Iterator[list[int]]:
+        """Yields the tokens committed by each step (the first token, then each round's accepted
+        proposals plus bonus); between yields the target state holds exactly the committed tokens."""
         ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(prompt, messages=messages,
                                                                                 enable_thinking=enable_thinking)
         if speculative and self.draft is None:

@@ -73,3 +73,40 @@ def test_speculative_equals_target_only_and_llamacpp(engine, prompts, oracle_dir
         assert spec.tokens == plain, f"{name} n_max={n_max}"
         assert spec.tokens == lcpp[name]["output_ids"][:32], name
         assert all(len(r["proposals"]) <= n_max for r in spec.rounds)
+
+
+def test_sampled_speculative_output_has_the_target_distribution(engine, prompts, kind):
+    """Joint law of the first three tokens (the prefill sample and the first speculative round)
+    under sampling equals the target-only law, computed exactly from the target's logits."""
+    if kind != "moe":
+        pytest.skip("one model is enough: the moe pair's draft is accepted often on the chat prompt")
+    from dflash_ir.runtime.sampling import Sampler, SamplingParams
+
+    params = dict(temperature=0.7, top_k=3, top_p=1.0, min_p=0.0)
+    probs = Sampler(SamplingParams(**params)).probs
+    ids = prompts["chat"]
+
+    def next_probs(prefix):
+        engine.target.reset()
+        return probs(engine.target.prefill(prefix).logits[-1])
+
+    exact = {}
+    p0 = next_probs(ids)
+    for t0 in np.flatnonzero(p0):
+        p1 = next_probs(ids + [int(t0)])
+        for t1 in np.flatnonzero(p1):
+            p2 = next_probs(ids + [int(t0), int(t1)])
+            for t2 in np.flatnonzero(p2):
+                exact[int(t0), int(t1), int(t2)] = p0[t0] * p1[t1] * p2[t2]
+    n, counts, accepted = 250, {}, 0
+    for seed in range(n):
+        gen = engine.generate(prompt_ids=ids, max_tokens=3, ignore_eos=True,
+                              sampling=SamplingParams(**params, seed=seed))
+        key = tuple(gen.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += gen.rounds[0]["accepted"] > 0
+    assert accepted > n // 10, "the draft must be accepted sometimes for this test to mean anything"
+    assert set(counts) <= set(exact)
+    for key, prob in exact.items():
+        freq = counts.get(key, 0) / n
+        assert abs(freq - prob) <= 4 * np.sqrt(prob * (1 - prob) / n) + 2 / n, (key, freq, prob)

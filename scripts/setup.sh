@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian machine lacks for dflash-ir: system packages for the CPU
+# device drivers and tools (only those missing), then the project with its dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEB_PACKAGES=(
+  pocl-opencl-icd ocl-icd-libopencl1 clinfo   # OpenCL on the CPU (PoCL)
+  mesa-vulkan-drivers libvulkan1               # Vulkan on the CPU (lavapipe)
+  glslang-tools spirv-tools                    # GLSL -> SPIR-V, spirv-val
+  graphviz                                     # PNG/SVG pictures of IR graphs
+  xz-utils
+)
+
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "setup: missing Debian packages (install them as root): ${missing[*]}" >&2
+  fi
+fi
+
+python3 -m pip install -q --disable-pip-version-check -e ".[dev]"

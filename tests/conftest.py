@@ -33,3 +33,11 @@ def oracle_gguf(oracle_fixtures):
 
     return get
 
+
+
+@pytest.fixture(scope="session")
+def oracle_prompts(oracle_dir) -> dict[str, list[int]]:
+    """Prompt name -> token ids of the recorded oracle prompts."""
+    import json
+
+    return {p["name"]: p["ids"] for p in json.loads((oracle_dir / "prompts.json").read_text())}

@@ -13,6 +13,7 @@ from .base import Backend, register_backend
 @register_backend
 class NumpyBackend(Backend):
     name = "numpy"
+    default_opt_level = 0
 
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         return {"kernels": []}

@@ -58,13 +58,15 @@ class ModelPair:
 
 
 def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
-              progress: Callable[[str], None] = lambda msg: None) -> ModelPair:
-    """Open and validate the files and build the graphs. Tap layers come from the draft, or
-    from `taps` (HF 0-based layer ids) for a target alone."""
+              progress: Callable[[str], None] = lambda msg: None, opt_level: int = 2, dump_dir=None) -> ModelPair:
+    """Open and validate the files and build the graphs, optimised at `opt_level` (see
+    dflash_ir.passes.pipeline; `dump_dir` gets the IR after each pass). Tap layers come from
+    the draft, or from `taps` (HF 0-based layer ids) for a target alone."""
     from dflash_ir.models.config import DraftConfig, TargetConfig, check_pair, validate_tensors
     from dflash_ir.models.dflash import DFlashBuilder
     from dflash_ir.models.gguf_file import open_gguf
     from dflash_ir.models.qwen35 import GraphSpec, Qwen35Builder
+    from dflash_ir.passes.pipeline import run_pipeline
 
     progress(f"reading {target}")
     tgt = open_gguf(target)
@@ -84,6 +86,7 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
     tb = Qwen35Builder(tgt, tcfg)
     for kind in ("prefill", "verify", "decode"):
         pair.graphs[f"target.{kind}"] = tb.build(GraphSpec(kind, pair.taps, 1 if kind == "decode" else "T"))
+    pair.graphs = {name: run_pipeline(g, level=opt_level, dump_dir=dump_dir) for name, g in pair.graphs.items()}
     return pair
 
 
@@ -113,11 +116,11 @@ def make_engine(programs: dict, *, n_ctx: int, n_max: int, draft_cfg: dict | Non
 
 
 def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15, load_tokenizer: bool = False,
-                taps: tuple[int, ...] = ()):
+                taps: tuple[int, ...] = (), opt_level: int = 0):
     """An Engine on the reference interpreter straight from GGUF files, without an artifact."""
     from dflash_ir.interpreter import Interpreter
 
-    pair = open_pair(target, draft, taps=taps)
+    pair = open_pair(target, draft, taps=taps, opt_level=opt_level)
     programs = {name: Interpreter(g, pair.weights) for name, g in pair.graphs.items()}
     draft_cfg = dataclasses.asdict(pair.configs["draft"]) if "draft" in pair.configs else None
     meta = pair.files["target"].metadata if load_tokenizer else None
@@ -126,13 +129,16 @@ def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15
 
 
 def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int = DEFAULT_CTX, n_max: int = 15,
-                 progress: Callable[[str], None] = lambda msg: None) -> Path:
-    """Validate the pair, build its graphs, compile them with `backend` and write the artifact."""
+                 progress: Callable[[str], None] = lambda msg: None, opt_level: int | None = None,
+                 dump_dir=None) -> Path:
+    """Validate the pair, build its graphs, compile them with `backend` and write the artifact.
+    `opt_level` None takes the backend's default."""
     from dflash_ir.backends.base import get_backend
 
     out = Path(out)
     be = get_backend(backend)
-    pair = open_pair(target, draft, progress=progress)
+    opt_level = be.default_opt_level if opt_level is None else opt_level
+    pair = open_pair(target, draft, progress=progress, opt_level=opt_level, dump_dir=dump_dir)
     if "draft" in pair.configs and not 1 <= n_max < pair.configs["draft"].block_size:
         raise ValueError(f"n_max must be in 1..{pair.configs['draft'].block_size - 1} for block size "
                          f"{pair.configs['draft'].block_size}, got {n_max}")
@@ -152,7 +158,7 @@ def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int 
         "backend": {"name": backend, "device": be.device_description()},
         "sources": {role: _source_entry(Path(f.path)) for role, f in pair.files.items()},
         "config": {**{role: dataclasses.asdict(c) for role, c in pair.configs.items()},
-                   "n_ctx": n_ctx, "n_max": n_max, "taps": list(pair.taps)},
+                   "n_ctx": n_ctx, "n_max": n_max, "taps": list(pair.taps), "opt_level": opt_level},
         "programs": programs,
     }
     manifest["files"] = {str(p.relative_to(out)): _sha256(p) for p in sorted(out.rglob("*"))

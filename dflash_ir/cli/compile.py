@@ -13,6 +13,10 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CTX, help=f"context size in tokens (default {DEFAULT_CTX})")
     p.add_argument("--backend", default="auto", help="numpy, or auto (best backend present) (default auto)")
     p.add_argument("--spec-draft-n-max", type=int, default=15, help="default number of proposals per round (default 15)")
+    p.add_argument("-O", dest="opt_level", type=int, choices=(0, 1, 2), default=None,
+                   help="optimisation level: 0 graphs as built, 1 canonicalise, 2 all passes "
+                        "(default: the backend's, 0 for numpy, 2 for kernel backends)")
+    p.add_argument("--dump-ir", metavar="DIR", help="write every graph's IR (text + picture) after each pass under DIR")
 
 
 def resolve_backend(name: str) -> str:
@@ -38,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         out = compile_pair(args.target, args.draft, out=args.output, backend=resolve_backend(args.backend),
-                           n_ctx=args.ctx_size, n_max=args.spec_draft_n_max,
+                           n_ctx=args.ctx_size, n_max=args.spec_draft_n_max, opt_level=args.opt_level,
+                           dump_dir=args.dump_ir,
                            progress=lambda msg: print(f"dflash-compile: {msg}", file=sys.stderr, flush=True))
     except (DflashError, ValueError, OSError) as e:
         print(f"dflash-compile: error: {e}", file=sys.stderr)

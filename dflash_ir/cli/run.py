@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             out = Path(args.artifact or tempfile.mkdtemp(prefix="dflash-ir-"))
             compile_pair(args.model, args.model_draft, out=out, backend=resolve_backend(args.backend),
-                         n_ctx=args.ctx_size, n_max=args.spec_draft_n_max,
+                         n_ctx=args.ctx_size, n_max=args.spec_draft_n_max, opt_level=args.opt_level,
+                         dump_dir=args.dump_ir,
                          progress=lambda msg: print(f"dflash-run: {msg}", file=sys.stderr, flush=True))
         elif args.artifact:
             out = Path(args.artifact)

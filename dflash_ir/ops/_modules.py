@@ -1,2 +1,2 @@
 """Imports every op module, so that the registry is complete."""
-from . import attention, elementwise, linalg, position, recurrent, reduce, shape_ops  # noqa: F401
+from . import attention, elementwise, fused, linalg, position, recurrent, reduce, shape_ops, specialised  # noqa: F401

@@ -38,8 +38,10 @@ def storage_dtype(storage: np.ndarray) -> DType:
 
 
 def as_f32(storage: np.ndarray) -> np.ndarray:
-    """Float32 values of a weight storage array (a new array)."""
+    """Float32 values of a weight storage array; f32 storage is returned as is (read-only use)."""
     storage = np.asarray(storage)
+    if storage.dtype == F32:
+        return storage
     return _dequantize_storage(storage, storage_dtype(storage))
 
 

@@ -46,6 +46,16 @@ CASES = [  # op, inputs (type strings, or arrays where values matter), attrs
     ("transpose", ("f32[T,2,5]",), {"perm": (2, 0, 1)}),
     ("gather", ("f32[T,5]", "i32[4]"), {"axis": 1}),
     ("repeat", ("f32[T,2]",), {"axis": 1, "repeats": 3, "mode": "interleave"}),
+    ("fused_attention", ("f32[T,4,16]", "f32[T,2,8]", "f32[T,2,8]", "f32[8]", "f16[8]", "i32[T]", np.array(1, np.int32),
+                         np.array(4, np.int32), "f32[C,2,8]", "f32[C,2,8]"),
+     {"eps": 1e-6, "n_rot": 4, "theta": 1e4, "scale": 0.3, "gated": True, "variant": "block"}),
+    ("fused_moe", ("f32[T,32]", "f16[4,32]", "q8_0[4,6,32]", "q8_0[4,6,32]", "f16[4,32,6]", "f16[8,32]", "q8_0[8,32]",
+                   "f16[32,8]", "f32[32]"), {"k": 2}),
+    ("matmul_q8_0", ("f32[T,64]", "q8_0[5,64]", "f32[T,5]"),
+     {"form": "gemv", "K": 64, "N": 5, "layout": "q8_0_rowmajor", "act_quant": True}),
+    ("matmul_f16", ("f32[T,64]", "f16[5,64]"), {"form": "gemm", "K": 64, "N": 5, "layout": "f16_rowmajor", "act_quant": False}),
+    ("swiglu", ("f32[T,4]", "f32[T,4]"), {}),
+    ("sigmoid_gate", ("f32[T,4]", "f32[4]"), {}),
 ]
 
 

@@ -1,0 +1,143 @@
+"""Fused ops made by the optimisation passes: one node per kernel a backend launches.
+
+Each op's rule and reference are compositions of the unfused ops' rules and references, so
+a fused graph computes bit-for-bit what the unfused graph computed; a backend kernel for
+a fused op is tested against this reference like any other.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import DType
+from ..types import TensorType
+from .attention import attention, kv_write
+from .elementwise import sigmoid_f32
+from .linalg import as_f32, expert_matmul, matmul
+from .position import rope
+from .reduce import rmsnorm, softmax, sum_, topk
+from .registry import get_op
+from .rules import (
+    WEIGHT_DTYPES,
+    bool_attr,
+    check,
+    choice_attr,
+    defop,
+    expect_dtype,
+    expect_rank,
+    expect_same,
+    f32,
+    int_attr,
+)
+
+F32 = np.float32
+VARIANTS = ("decode", "block", "prefill")
+
+
+def _infer(op: str, *inputs: TensorType, **attrs) -> tuple[TensorType, ...]:
+    return get_op(op).output_types(inputs, attrs)
+
+
+def _fused_attention_rule(q, k, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_cache, *, eps, n_rot, theta,
+                          sections, interleaved, scale, causal, window, gated, persist, variant):
+    expect_rank("q", q, 3)
+    expect_rank("k", k, 3)
+    expect_rank("v", v, 3)
+    if bool_attr("gated", gated):
+        widths = (q.shape[2], k.shape[2], v.shape[2])
+        check(all(isinstance(w, int) for w in widths) and widths[0] == widths[1] + widths[2],
+              f"gated q {q} must hold [q_h | gate_h] per head: k head dim + v head dim wide ({k}, {v})")
+    bool_attr("persist", persist)
+    choice_attr("variant", variant, VARIANTS)
+    q_part = TensorType(q.dtype, q.shape[:2] + (k.shape[2],))
+    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved)
+    (q_rot,) = _infer("rope", *_infer("rmsnorm", q_part, q_norm, eps=eps), positions, **rope_attrs)
+    (k_rot,) = _infer("rope", *_infer("rmsnorm", k, k_norm, eps=eps), positions, **rope_attrs)
+    (k_all,) = _infer("kv_write", k_cache, k_rot, pos)
+    (v_all,) = _infer("kv_write", v_cache, v, pos)
+    (o,) = _infer("attention", q_rot, k_all, v_all, kv_len, scale=scale, causal=causal, window=window)
+    check(isinstance(o.shape[1], int) and isinstance(o.shape[2], int), f"heads and head dim of {o} must be ints")
+    out = f32((o.shape[0], o.shape[1] * o.shape[2]))
+    return (out, k_all, v_all) if persist else out
+
+
+@defop("fused_attention", _fused_attention_rule)
+def fused_attention(q, k, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_cache, *, eps, n_rot, theta,
+                    sections=(), interleaved=False, scale, causal=True, window=0, gated=False, persist=True,
+                    variant="prefill"):
+    """One attention layer: rmsnorm + RoPE of q and k, k and v written into the caches at
+    `pos`, softmax attention over the first kv_len rows, heads flattened to [T, H*Dv], and
+    with `gated` o * sigmoid(gate) where q is [T, H, D + Dv] holding [q_h | gate_h] per head.
+    Returns (o, k_cache', v_cache') with `persist`, else o alone (the draft block: its K/V
+    live past the cache length for this call only). `variant` (decode: T=1, block: a
+    verify or draft block of a few rows, prefill: long) picks a kernel, not the math."""
+    d = k.shape[2]
+    q_part = q[..., :d] if gated else q
+    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved)
+    q_rot = rope(rmsnorm(q_part, q_norm, eps=eps), positions, **rope_attrs)
+    k_all = kv_write(k_cache, rope(rmsnorm(k, k_norm, eps=eps), positions, **rope_attrs), pos)
+    v_all = kv_write(v_cache, v, pos)
+    o = attention(q_rot, k_all, v_all, kv_len, scale=scale, causal=causal, window=window)
+    o = o.reshape(o.shape[0], -1)
+    if gated:
+        o = np.asarray(o * sigmoid_f32(q[..., d:].reshape(o.shape)))
+    return (o, k_all, v_all) if persist else o
+
+
+def _fused_moe_rule(x, router_w, gate_exps, up_exps, down_exps, shexp_gate_w, shexp_up_w, shexp_down_w,
+                    shexp_gate_inp_w, *, k):
+    expect_rank("x", x, 2)
+    int_attr("k", k, minimum=1)
+    (probs,) = _infer("softmax", *_infer("matmul", x, router_w), axis=-1)
+    _, ids = _infer("topk", probs, k=k)
+    (gate,) = _infer("expert_matmul", x, gate_exps, ids)
+    (up,) = _infer("expert_matmul", x, up_exps, ids)
+    check(gate == up, f"expert gate {gate} and up {up} projections differ")
+    (down,) = _infer("expert_matmul", gate, down_exps, ids)
+    (sh_gate,) = _infer("matmul", x, shexp_gate_w)
+    (sh_up,) = _infer("matmul", x, shexp_up_w)
+    check(sh_gate == sh_up, f"shared expert gate {sh_gate} and up {sh_up} projections differ")
+    (shared,) = _infer("matmul", sh_gate, shexp_down_w)
+    out = f32((x.shape[0], down.shape[2]))
+    expect_same("shared expert width", shared.shape[1], "routed width", out.shape[1], (shared, down))
+    expect_dtype("shexp_gate_inp_w", shexp_gate_inp_w, *WEIGHT_DTYPES)
+    expect_rank("shexp_gate_inp_w", shexp_gate_inp_w, 1, 2)
+    check(shexp_gate_inp_w.rank == 1 or shexp_gate_inp_w.shape[0] == 1,
+          f"shared expert gate weight {shexp_gate_inp_w} must be one row")
+    expect_same("shared gate width", shexp_gate_inp_w.shape[-1], "x width", x.shape[1], (shexp_gate_inp_w, x))
+    return out
+
+
+@defop("fused_moe", _fused_moe_rule)
+def fused_moe(x, router_w, gate_exps, up_exps, down_exps, shexp_gate_w, shexp_up_w, shexp_down_w, shexp_gate_inp_w,
+              *, k):
+    """A Qwen3.5 MoE block: softmax router over all experts, top-k renormalised, SwiGLU of
+    the selected experts only (their weights are the only expert weights read), weighted
+    sum, plus the shared expert's SwiGLU scaled by sigmoid(x · shexp_gate_inp_w)."""
+    top_p, ids = topk(softmax(matmul(x, router_w), axis=-1), k=k)
+    weights = top_p / sum_(top_p, axis=-1, keepdims=True)
+    act = _silu(expert_matmul(x, gate_exps, ids)) * expert_matmul(x, up_exps, ids)
+    routed = sum_(expert_matmul(act, down_exps, ids) * weights.reshape(len(x), k, 1), axis=1)
+    shared = matmul(_silu(matmul(x, shexp_gate_w)) * matmul(x, shexp_up_w), shexp_down_w)
+    shared_gate = sigmoid_f32(matmul(x, as_f32(shexp_gate_inp_w).reshape(1, -1)))
+    return np.asarray(routed + shared * shared_gate)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x * sigmoid_f32(x), dtype=F32)
+
+
+def _gate_rule(x: TensorType, g: TensorType) -> TensorType:
+    expect_dtype("x", x, DType.F32)
+    return _infer("mul", x, g)[0]
+
+
+@defop("swiglu", _gate_rule)
+def swiglu(a, b):
+    """silu(a) * b, numpy broadcasting."""
+    return np.asarray(_silu(a) * b)
+
+
+@defop("sigmoid_gate", _gate_rule)
+def sigmoid_gate(x, g):
+    """x * sigmoid(g), numpy broadcasting."""
+    return np.asarray(x * sigmoid_f32(g))

@@ -1,0 +1,80 @@
+"""Matmuls specialised to their weight's storage type: `matmul_q8_0` and `matmul_f16`.
+
+They read the weight as stored (Q8_0: rows of 34-byte blocks, fp16 scale then 32 int8;
+F16: halves) and dequantise inside, never materialising the f32 matrix. Attributes carry
+what a kernel generator needs without looking at shapes: `form` (gemv for a few rows,
+gemm for many), the constants K and N, the weight `layout` a backend packs, an optional
+fused `residual` input (out = x @ wᵀ + residual) and, for Q8_0, `act_quant`.
+
+`act_quant=True` is llama.cpp's Q8_0 x Q8_0 path: x is quantised per 32-element block to
+int8 with an fp16 scale (quantize_row_q8_0) and each block's dot product is an exact
+integer sum scaled by d_x * d_w. One matmul stays within 1e-2 of the f32 path relative
+to the output's max |value| (about 6e-3 on random data, K = 64..4096); through a whole
+model the error compounds layer by layer, which is why it is off by default.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import DType
+from ..quant import quantize_q8_0
+from ..types import TensorType
+from .linalg import matmul
+from .registry import get_op
+from .rules import bool_attr, check, choice_attr, defop, expect_dtype, int_attr
+
+F32 = np.float32
+FORMS = ("gemv", "gemm")
+LAYOUTS = {DType.Q8_0: "q8_0_rowmajor", DType.F16: "f16_rowmajor"}
+OPS = {DType.Q8_0: "matmul_q8_0", DType.F16: "matmul_f16"}
+_BLOCK = DType.Q8_0.block_size
+_BLOCK_BYTES = DType.Q8_0.block_bytes
+# weight rows handled at once by the act_quant path (bounds its [blocks, T, rows] temporaries)
+_ROWS = 256
+
+
+def _specialised(dtype: DType) -> None:
+    def rule(x: TensorType, w: TensorType, residual: TensorType | None = None, *, form, K, N, layout,
+             act_quant) -> TensorType:
+        expect_dtype("w", w, dtype)
+        (out,) = get_op("matmul").output_types([x, w], {})
+        choice_attr("form", form, FORMS)
+        check(int_attr("K", K) == w.shape[1] and int_attr("N", N) == w.shape[0],
+              f"K={K}, N={N} do not match the weight {w} (N rows of K)")
+        choice_attr("layout", layout, [LAYOUTS[dtype]])
+        check(not bool_attr("act_quant", act_quant) or dtype is DType.Q8_0, "act_quant needs a q8_0 weight")
+        if residual is not None:
+            check(residual == out, f"residual {residual} must have the output's type {out}")
+        return out
+
+    def reference(x, w, residual=None, *, form, K, N, layout, act_quant=False):
+        out = _matmul_act_q8_0(x, w) if act_quant else matmul(x, w)
+        return out if residual is None else np.asarray(out + residual)
+
+    reference.__doc__ = (f"x @ wᵀ [+ residual] for a weight w[N, K] stored as {dtype}, read as stored and "
+                         f"dequantised in row chunks (never the whole matrix); `form`, `layout` choose the kernel.")
+    defop(OPS[dtype], rule)(reference)
+
+
+def _q8_0_blocks(storage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scales f32[..., nb] and quants (as exact f32) [..., nb, 32] of Q8_0 storage."""
+    blocks = storage.reshape(*storage.shape[:-1], -1, _BLOCK_BYTES)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(F32)
+    return d, blocks[..., 2:].view(np.int8).astype(F32)
+
+
+def _matmul_act_q8_0(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Q8_0 x Q8_0: per block an integer dot (exact in f32: |sum| <= 32·127² < 2^24) times d_x·d_w."""
+    lead = x.shape[:-1]
+    dx, qx = _q8_0_blocks(quantize_q8_0(x.reshape(-1, x.shape[-1])))  # [T, nb], [T, nb, 32]
+    out = np.empty((qx.shape[0], w.shape[0]), dtype=F32)
+    qx_b = qx.transpose(1, 0, 2)  # [nb, T, 32]
+    for start in range(0, w.shape[0], _ROWS):
+        dw, qw = _q8_0_blocks(w[start:start + _ROWS])  # [n, nb], [n, nb, 32]
+        sums = qx_b @ qw.transpose(1, 2, 0)  # [nb, T, n]
+        out[:, start:start + _ROWS] = np.einsum("btn,tb,nb->tn", sums, dx, dw, dtype=F32)
+    return out.reshape(*lead, w.shape[0])
+
+
+for _dtype in OPS:
+    _specialised(_dtype)

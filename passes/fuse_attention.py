@@ -1,0 +1,93 @@
+"""fuse_attention: one `fused_attention` node per attention layer.
+
+Two rules, applied in this order:
+1. `attention` whose q and k are rope(rmsnorm(·, norm weight)) at the same positions, whose
+   K/V come from kv_write into state caches at the same `pos`, and whose output is
+   flattened to [T, H*Dv] -> fused_attention. The caches' new contents become outputs of
+   the fused node when anything besides the attention reads them (the target's state
+   updates: `persist`); the draft block's K/V, written past the cache length for one call,
+   stay inside the kernel.
+2. the Qwen3.5 output gate: fused_attention(slice(qg, :D)) * sigmoid(flatten(slice(qg, D:)))
+   -> fused_attention(qg, gated=True), so the kernel reads q and gate from the projection.
+
+The draft's inject graph (kv_write without attention) is left as is.
+`variant`: decode for one row, block for verify / draft block graphs (or up to 64 static
+rows), prefill otherwise.
+"""
+from __future__ import annotations
+
+from dflash_ir.ir import Graph
+from dflash_ir.rewrite import P, Rule, V, rewrite
+
+BLOCK_ROWS = 64
+_ROPE_DEFAULTS = {"sections": (), "interleaved": False}
+_INPUTS = ("q", "k", "v", "q_norm", "k_norm", "positions", "pos", "kv_len", "k_cache", "v_cache")
+
+
+def _normed_rope(x: str) -> P:
+    normed = P("rmsnorm", V(x), V(f"{x}_norm"), name=f"{x}_normed", one_use=True)
+    return P("rope", normed, V("positions"), name=f"{x}_rot", one_use=True)
+
+
+_ATTENTION = P("attention",
+               _normed_rope("q"),
+               P("kv_write", V("k_cache", kind="state"), _normed_rope("k"), V("pos"), name="k_all"),
+               P("kv_write", V("v_cache", kind="state"), V("v"), V("pos"), name="v_all"),
+               V("kv_len"), name="attn", one_use=True)
+
+
+def variant(rows, kind: str | None) -> str:
+    if rows == 1:
+        return "decode"
+    if kind in ("verify", "block") or (isinstance(rows, int) and rows <= BLOCK_ROWS):
+        return "block"
+    return "prefill"
+
+
+def _fuse(m, emit):
+    rope = {**_ROPE_DEFAULTS, **m.node("q_rot").attr}
+    eps = m.node("q_normed").attr["eps"]
+    if rope != {**_ROPE_DEFAULTS, **m.node("k_rot").attr} or m.node("k_normed").attr["eps"] != eps:
+        return None
+    rows, heads, dv = m["attn"].type.shape
+    if not (isinstance(heads, int) and isinstance(dv, int)) or m.value.type.shape != (rows, heads * dv):
+        return None
+    persist = emit.uses(m["k_all"]) > 1 or emit.uses(m["v_all"]) > 1
+    attn = m.node("attn").attr
+    fused = emit.op("fused_attention", *(m[n] for n in _INPUTS), eps=eps, **rope, scale=attn["scale"],
+                    causal=attn.get("causal", True), window=attn.get("window", 0), gated=False, persist=persist,
+                    variant=variant(rows, emit.meta.get("kind")))
+    return {m.value: fused[0], m["k_all"]: fused[1], m["v_all"]: fused[2]} if persist else fused
+
+
+_GATE = P("sigmoid", P("reshape", P("slice", V("qg"), name="gate", one_use=True), one_use=True), one_use=True)
+_UNGATED = P("fused_attention", P("slice", V("qg"), name="q", one_use=True), *(V(n) for n in _INPUTS[1:]),
+             name="fa", attrs={"gated": False}, one_use=True)
+
+
+def _absorb_gate(m, emit):
+    fa = m.node("fa")
+    q, gate = m.node("q").attr, m.node("gate").attr
+    qg = m["qg"].type
+    d, dv = m["k"].type.shape[2], m["v"].type.shape[2]
+    if qg.rank != 3 or not (q["axis"] % 3 == gate["axis"] % 3 == 2) or qg.shape[2] != d + dv:
+        return None
+    if (q["start"], q.get("stop"), gate["start"], gate.get("stop")) not in ((0, d, d, d + dv), (0, d, d, None)):
+        return None
+    if m["fa"].type != m.value.type:
+        return None
+    inputs = (m["qg"], *(m[n] for n in _INPUTS[1:]))
+    fused = emit.op("fused_attention", *inputs, **{**fa.attr, "gated": True})
+    if not fa.attr["persist"]:
+        return fused
+    return {m.value: fused[0], fa.outputs[1]: fused[1], fa.outputs[2]: fused[2]}
+
+
+RULES = [
+    Rule("attention", P("reshape", _ATTENTION), _fuse),
+    Rule("output_gate", P("mul", _UNGATED, _GATE, commutative=True), _absorb_gate),
+]
+
+
+def fuse_attention(graph: Graph) -> Graph:
+    return rewrite(graph, RULES, name="fuse_attention")

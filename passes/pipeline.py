@@ -1,0 +1,87 @@
+"""The optimisation pipeline: ordered passes, optimisation levels, verification and dumps.
+
+    -O0  the graph as built
+    -O1  canonicalise
+    -O2  canonicalise, fuse_attention, fuse_moe, specialise_q8_0, fuse_elementwise,
+         canonicalise, plan_memory   (the default)
+
+`only` keeps just the named passes of the level, `skip` drops named ones. The graph is
+verified after every pass. With `dump_dir`, DIR/<graph name>/NN-<pass>.txt (the printer's
+text form, which parse_graph reads back) and .dot are written for the input (00-input)
+and after each pass, plus .png when graphviz's `dot` is installed.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable
+
+from dflash_ir.ir import Graph
+from dflash_ir.printer import format_graph
+from dflash_ir.verifier import VerifyError, verify
+from dflash_ir.visualize import render, to_dot
+
+from .canonicalise import canonicalise
+from .fuse_attention import fuse_attention
+from .fuse_elementwise import fuse_elementwise
+from .fuse_moe import fuse_moe
+from .plan_memory import plan_memory
+from .specialise_q8_0 import specialise_q8_0
+
+Pass = Callable[[Graph], Graph]
+PASSES: tuple[Pass, ...] = (canonicalise, fuse_attention, fuse_moe, specialise_q8_0, fuse_elementwise, canonicalise,
+                            plan_memory)
+LEVELS: dict[int, tuple[Pass, ...]] = {0: (), 1: (canonicalise,), 2: PASSES}
+DEFAULT_LEVEL = 2
+PASS_NAMES = tuple(dict.fromkeys(p.__name__ for p in PASSES))
+
+
+def select(level: int = DEFAULT_LEVEL, only: Iterable[str] | None = None, skip: Iterable[str] = ()) -> list[Pass]:
+    """The passes run at `level`, restricted to `only` and without `skip`."""
+    if level not in LEVELS:
+        raise ValueError(f"optimisation level must be one of {sorted(LEVELS)}, got {level!r}")
+    only = None if only is None else set(only)
+    skip = set(skip)
+    unknown = ((only or set()) | skip) - set(PASS_NAMES)
+    if unknown:
+        raise ValueError(f"unknown pass(es) {', '.join(sorted(unknown))}; passes: {', '.join(PASS_NAMES)}")
+    return [p for p in LEVELS[level] if (only is None or p.__name__ in only) and p.__name__ not in skip]
+
+
+class Dumper:
+    """Writes DIR/stem.{txt,dot[,png]}; a picture equal to the previous one is copied, not redrawn
+    (graphviz layout is the slow part of a dump)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._last: tuple[str, Path] | None = None  # (dot text, picture)
+
+    def write(self, graph: Graph, stem: str) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / f"{stem}.txt").write_text(format_graph(graph))
+        dot = to_dot(graph)
+        (self.directory / f"{stem}.dot").write_text(dot)
+        if shutil.which("dot") is None:
+            return
+        png = self.directory / f"{stem}.png"
+        if self._last is not None and self._last[0] == dot:
+            shutil.copyfile(self._last[1], png)
+        else:
+            render(graph, png)
+        self._last = (dot, png)
+
+
+def run_pipeline(graph: Graph, *, level: int = DEFAULT_LEVEL, only: Iterable[str] | None = None,
+                 skip: Iterable[str] = (), dump_dir: str | Path | None = None) -> Graph:
+    passes = select(level, only, skip)
+    dumper = None if dump_dir is None else Dumper(Path(dump_dir) / graph.name)
+    if dumper is not None:
+        dumper.write(graph, "00-input")
+    for i, p in enumerate(passes, 1):
+        try:
+            graph = verify(p(graph))
+        except VerifyError as e:
+            raise VerifyError(f"after pass {p.__name__}: {e}") from None
+        if dumper is not None:
+            dumper.write(graph, f"{i:02d}-{p.__name__}")
+    return graph

@@ -32,6 +32,9 @@ class Program(Protocol):
 
 class Backend(ABC):
     name: str = ""
+    # passes pay off for kernel backends; the interpreter is fastest on graphs as built,
+    # where it dequantises each weight once and keeps it
+    default_opt_level: int = 2
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can run here, else a sentence saying why not."""
@@ -62,8 +65,12 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
+def _register_all() -> None:
+    from . import cuda, numpy_backend, opencl, rocm  # noqa: F401  (each registers itself)
+
+
 def get_backend(name: str) -> Backend:
-    from . import numpy_backend  # noqa: F401  (registers itself)
+    _register_all()
 
     if name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
@@ -71,6 +78,6 @@ def get_backend(name: str) -> Backend:
 
 
 def known_backends() -> list[str]:
-    from . import numpy_backend  # noqa: F401
+    _register_all()
 
     return sorted(_BACKENDS)

@@ -8,6 +8,7 @@ DEB_PACKAGES=(
   pocl-opencl-icd ocl-icd-libopencl1 clinfo   # OpenCL on the CPU (PoCL)
   mesa-vulkan-drivers libvulkan1               # Vulkan on the CPU (lavapipe)
   glslang-tools spirv-tools                    # GLSL -> SPIR-V, spirv-val
+  hipcc rocm-device-libs lld                   # HIP -> HSACO for the rocm backend (compile only)
   graphviz                                     # PNG/SVG pictures of IR graphs
   xz-utils
 )

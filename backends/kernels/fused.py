@@ -1,0 +1,22 @@
+"""Fused ops without a kernel of their own yet, lowered as their parts' kernels (the same
+composition as their references in dflash_ir/ops/fused.py)."""
+from __future__ import annotations
+
+from ..lowering import NodeCtx, lowers
+
+
+@lowers("fused_moe")
+def fused_moe(ctx: NodeCtx) -> None:
+    x, router_w, gate_exps, up_exps, down_exps, sh_gate_w, sh_up_w, sh_down_w, sh_gate_inp_w = ctx.ins
+    k = ctx.attr["k"]
+    rows, width = x.type.shape
+    top_p, ids = ctx.sub("topk", ctx.sub("softmax", ctx.sub("matmul", x, router_w), axis=-1), k=k)
+    weights = ctx.sub("div", top_p, ctx.sub("sum", top_p, axis=-1, keepdims=True))
+    act = ctx.sub("swiglu", ctx.sub("expert_matmul", x, gate_exps, ids), ctx.sub("expert_matmul", x, up_exps, ids))
+    down = ctx.sub("expert_matmul", act, down_exps, ids)
+    routed = ctx.sub("sum", ctx.sub("mul", down, ctx.sub("reshape", weights, shape=(rows, k, 1))), axis=1)
+    shared = ctx.sub("matmul", ctx.sub("swiglu", ctx.sub("matmul", x, sh_gate_w), ctx.sub("matmul", x, sh_up_w)),
+                     sh_down_w)
+    gate_w = sh_gate_inp_w if sh_gate_inp_w.type.rank == 2 else ctx.sub("reshape", sh_gate_inp_w, shape=(1, width))
+    gate = ctx.sub("sigmoid", ctx.sub("matmul", x, gate_w))
+    ctx.sub("add", routed, ctx.sub("mul", shared, gate), outputs=[ctx.outs[0]])

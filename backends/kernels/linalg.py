@@ -1,0 +1,202 @@
+"""Weight-consuming ops: dequantize, embedding, matmul (GEMV and tiled GEMM), expert_matmul.
+
+Weights are read in their storage type (f32, f16, bf16 or Q8_0 blocks of fp16 d + 32 int8,
+34 bytes, so only 2-byte aligned: scales and quants are read as u16). The GEMV takes a Q8_0
+block's scale out of its dot product (d * sum(q * x): a third fewer multiplies where the
+weight read should be the only cost); elsewhere values are the reference's d * q exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_ir.dtypes import DType
+from dflash_ir.types import Dim
+
+from ..lowering import NodeCtx, lowers
+from .common import cdiv, dim, flat_launch, prod, q8_row_bytes, weight_at
+
+GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_q8_0); more take the tiled GEMM
+GEMV_THREADS = 256
+TILE = 32         # GEMM output tile (TILE x TILE) and K step
+THREADS = 16      # GEMM work-group is THREADS x THREADS, each thread 2x2 outputs
+
+
+@lowers("dequantize")
+def dequantize(ctx: NodeCtx) -> None:
+    w = ctx.ins[0]
+    k = w.type.shape[-1]
+    flat_launch(ctx, f"  out[i] = {weight_at(w.type.dtype, 'x0', f'i / {dim(k)}', f'i % {dim(k)}', k)};\n")
+
+
+@lowers("embedding")
+def embedding(ctx: NodeCtx) -> None:
+    table, ids = ctx.ins
+    k = table.type.shape[1]
+    ctx.check("index", ids, size=dim(table.type.shape[0]))
+    flat_launch(ctx, f"  out[i] = {weight_at(table.type.dtype, 'x0', f'x1[i / {dim(k)}]', f'i % {dim(k)}', k)};\n")
+
+
+@dataclass(frozen=True)
+class Gemv:
+    """GEMV geometry: `lanes` threads share one output column's K chunks (a Q8_0 block, else
+    one element, which keeps reads coalesced); a work-group holds `cols` columns side by
+    side, so a 250k-row vocabulary matrix is not 250k tiny work-groups."""
+
+    dtype: DType
+    k: Dim
+
+    @property
+    def chunk(self) -> int:
+        return 32 if self.dtype is DType.Q8_0 else 1
+
+    @property
+    def lanes(self) -> int:
+        """Up to a warp per column, but at least ~8 chunks per lane: with a short K the tree
+        reduction would cost more than the dot product."""
+        if not isinstance(self.k, int):
+            return 32
+        return 1 << max(0, min(5, (self.k // self.chunk // 8).bit_length() - 1))
+
+    @property
+    def cols(self) -> int:
+        return GEMV_THREADS // self.lanes
+
+
+def _gemv_body(g: Gemv, rows: int, count: str, n_total: str, prologue: str, wrow: str, xrow: str, out: str,
+               act_quant: bool = False) -> str:
+    """Column n, rows r0 .. r0+rows-1 (< count): each lane accumulates its chunks for every
+    row, then a tree reduction over the column's lanes. `xrow`, `out` are expressions of
+    `row`. With act_quant each x block is quantised to int8 as quantize_row_q8_0 does and
+    the block dot is an exact integer sum of DOT4_I8s."""
+    K, L = dim(g.k), g.lanes
+    chunks = f"({K} / 32)" if g.dtype is DType.Q8_0 else K
+    if g.dtype is DType.Q8_0:
+        block = (f"    GLOBAL const u8* blk = w + (i64)({wrow}) * {q8_row_bytes(g.k)} + c * 34;\n"
+                 f"    float d = HALF_TO_FLOAT((GLOBAL const u16*)blk);\n"
+                 f"    GLOBAL const u16* q = (GLOBAL const u16*)(blk + 2);\n")
+        if act_quant:
+            load = block + "    int wq[8];\n    for (int e = 0; e < 8; ++e) wq[e] = (int)q[2 * e] | ((int)q[2 * e + 1] << 16);\n"
+        else:
+            load = block + ("    float wv[32];\n    for (int e = 0; e < 16; ++e) {\n      u16 two = q[e];\n"
+                            "      wv[2 * e] = (float)(i8)(two & 0xff);\n      wv[2 * e + 1] = (float)(i8)(two >> 8);\n"
+                            "    }\n")
+    else:
+        load = f"    float wv[1];\n    wv[0] = {weight_at(g.dtype, 'w', wrow, 'c', g.k)};\n"
+    if act_quant:
+        dot = ("      float amax = 0.0f;\n      for (int e = 0; e < 32; ++e) amax = fmaxf(amax, fabsf(xr[e]));\n"
+               "      float dx = amax / 127.0f, inv = dx != 0.0f ? 1.0f / dx : 0.0f;\n      int isum = 0;\n"
+               "      for (int e = 0; e < 8; ++e) {\n        int packed = 0;\n"
+               "        for (int b = 0; b < 4; ++b) packed |= ((int)(u8)(i8)(int)roundf(xr[4 * e + b] * inv)) << (8 * b);\n"
+               "        isum = DOT4_I8(packed, wq[e], isum);\n      }\n"
+               "      acc[r] += (float)isum * ROUND_HALF(dx) * d;\n")
+    else:
+        dot = (f"      float s = 0.0f;\n      for (int e = 0; e < {g.chunk}; ++e) s += wv[e] * xr[e];\n"
+               f"      acc[r] += {'d * s' if g.dtype is DType.Q8_0 else 's'};\n")
+    slot = f"(r * {g.cols} + col) * {L} + lane"
+    return (f"  int lane = LID(0), col = LID(1);\n{prologue}"
+            f"  LOCAL float red[{rows * GEMV_THREADS}];\n  float acc[{rows}];\n"
+            f"  for (int r = 0; r < {rows}; ++r) acc[r] = 0.0f;\n"
+            f"  for (int c = lane; n < {n_total} && c < {chunks}; c += {L}) {{\n{load}"
+            f"    for (int r = 0; r < {rows}; ++r) {{\n      int row = r0 + r;\n      if (row >= {count}) break;\n"
+            f"      GLOBAL const float* xr = {xrow} + c * {g.chunk};\n{dot}    }}\n  }}\n"
+            f"  for (int r = 0; r < {rows}; ++r) red[{slot}] = acc[r];\n  BARRIER();\n"
+            f"  for (int s = {L // 2}; s > 0; s >>= 1) {{\n"
+            f"    if (lane < s) for (int r = 0; r < {rows}; ++r) red[{slot}] += red[{slot} + s];\n"
+            f"    BARRIER();\n  }}\n"
+            f"  for (int r = lane; r < {rows}; r += {L}) {{\n    int row = r0 + r;\n"
+            f"    if (row < {count} && n < {n_total}) {out.format(f'red[(r * {g.cols} + col) * {L}]')};\n  }}\n")
+
+
+def matmul_launch(ctx: NodeCtx, *, act_quant: bool = False) -> None:
+    """x @ wᵀ [+ residual] for node inputs (x, w[, residual]): a GEMV for up to GEMV_ROWS rows,
+    else a tiled GEMM; with a symbolic row count both are planned and the launch picks one
+    per call (a prefill's single logits row is a GEMV, its 512 hidden rows a GEMM)."""
+    x, w, *res = ctx.ins
+    out = ctx.outs[0]
+    n, k = w.type.shape
+    dtype = w.type.dtype
+    M, N, K = prod(x.type.shape[:-1]), dim(n), dim(k)
+    buffers = [("x", x, False), ("w", w, False)] + [("residual", r, False) for r in res] + [("out", out, True)]
+    store = f"out[(i64)row * {N} + n] = {{}}" + (f" + residual[(i64)row * {N} + n]" if res else "")
+    fixed = int(M) if M.isdigit() else None
+    if fixed is None or fixed <= GEMV_ROWS:
+        g = Gemv(dtype, k)
+        rows = min(fixed, GEMV_ROWS) if fixed else GEMV_ROWS
+        body = _gemv_body(g, rows, M, N, f"  int n = GID(0) * {g.cols} + col, r0 = GID(1) * {rows};\n", "n",
+                          f"x + (i64)row * {K}", store, act_quant)
+        ctx.launch("matmul_gemv", body, buffers=buffers, groups=[cdiv(N, g.cols), cdiv(M, rows)],
+                   local=(g.lanes, g.cols), when=None if fixed else f"{M} <= {GEMV_ROWS}")
+    if fixed is None or fixed > GEMV_ROWS:
+        ctx.launch("matmul_gemm", _gemm_body(dtype, M, n, k, store.format("acc[a][b]"), act_quant), buffers=buffers,
+                   groups=[cdiv(N, TILE), cdiv(M, TILE)], local=(THREADS, THREADS),
+                   when=None if fixed else f"{M} > {GEMV_ROWS}")
+
+
+@lowers("matmul")
+def matmul(ctx: NodeCtx) -> None:
+    matmul_launch(ctx)
+
+
+@lowers("matmul_q8_0", "matmul_f16")
+def matmul_specialised(ctx: NodeCtx) -> None:
+    """The `form` attr is only a hint here: the row count is known at launch."""
+    matmul_launch(ctx, act_quant=ctx.attr.get("act_quant", False))
+
+
+def _gemm_body(dtype: DType, M: str, n: Dim, k: Dim, store: str, act_quant: bool) -> str:
+    """Tiled x @ wᵀ: each work-group stages a TILE x TILE block of x rows and of (dequantised)
+    w rows per K step in local memory; each thread accumulates a 2x2 patch of outputs.
+    With act_quant (TILE = one Q8_0 block) the staged values are the int8 quants of x and w
+    and each K step adds an exact integer dot (in f32: |sum| < 2^24) times both scales."""
+    N, K, P = dim(n), dim(k), TILE + 1  # padded rows avoid local-memory bank conflicts
+    per = TILE // THREADS
+    if act_quant:
+        w_value = "(float)(i8)w[(i64)n * {rb} + (k / 32) * 34 + 2 + kk]".format(rb=q8_row_bytes(k))
+        quantise = (f"    if (tid < {TILE}) {{\n      float amax = 0.0f;\n"
+                    f"      for (int e = 0; e < {TILE}; ++e) amax = fmaxf(amax, fabsf(xs[tid * {P} + e]));\n"
+                    f"      float dx = amax / 127.0f, inv = dx != 0.0f ? 1.0f / dx : 0.0f;\n"
+                    f"      for (int e = 0; e < {TILE}; ++e) xs[tid * {P} + e] = roundf(xs[tid * {P} + e] * inv);\n"
+                    f"      xd[tid] = ROUND_HALF(dx);\n"
+                    f"      int n = n0 + tid;\n"
+                    f"      wd[tid] = n < {N} ? HALF_TO_FLOAT((GLOBAL const u16*)(w + (i64)n * {q8_row_bytes(k)} + (k0 / 32) * 34)) : 0.0f;\n"
+                    f"    }}\n    BARRIER();\n")
+        scales = f"  LOCAL float xd[{TILE}];\n  LOCAL float wd[{TILE}];\n"
+        step = ("        {{ float s = 0.0f; for (int kk = 0; kk < {T}; ++kk) s += xs[(ty + a * {H}) * {P} + kk] * "
+                "ws[(tx + b * {H}) * {P} + kk];\n          acc[a][b] += s * xd[ty + a * {H}] * wd[tx + b * {H}]; }}\n"
+                ).format(T=TILE, H=THREADS, P=P)
+        compute = f"    for (int a = 0; a < {per}; ++a) for (int b = 0; b < {per}; ++b)\n{step}"
+    else:
+        w_value, quantise, scales = weight_at(dtype, "w", "n", "k", k), "", ""
+        compute = (f"    for (int kk = 0; kk < {TILE}; ++kk)\n"
+                   f"      for (int a = 0; a < {per}; ++a) for (int b = 0; b < {per}; ++b)\n"
+                   f"        acc[a][b] += xs[(ty + a * {THREADS}) * {P} + kk] * ws[(tx + b * {THREADS}) * {P} + kk];\n")
+    return (f"  int tx = LID(0), ty = LID(1), tid = ty * {THREADS} + tx, n0 = GID(0) * {TILE}, m0 = GID(1) * {TILE};\n"
+            f"  LOCAL float xs[{TILE * P}];\n  LOCAL float ws[{TILE * P}];\n{scales}"
+            f"  float acc[{per}][{per}];\n"
+            f"  for (int a = 0; a < {per}; ++a) for (int b = 0; b < {per}; ++b) acc[a][b] = 0.0f;\n"
+            f"  for (int k0 = 0; k0 < {K}; k0 += {TILE}) {{\n"
+            f"    for (int e = tid; e < {TILE * TILE}; e += {THREADS * THREADS}) {{\n"
+            f"      int rr = e / {TILE}, kk = e % {TILE}, k = k0 + kk, m = m0 + rr, n = n0 + rr;\n"
+            f"      xs[rr * {P} + kk] = (m < {M} && k < {K}) ? x[(i64)m * {K} + k] : 0.0f;\n"
+            f"      ws[rr * {P} + kk] = (n < {N} && k < {K}) ? {w_value} : 0.0f;\n    }}\n"
+            f"    BARRIER();\n{quantise}{compute}"
+            f"    BARRIER();\n  }}\n"
+            f"  for (int a = 0; a < {per}; ++a) for (int b = 0; b < {per}; ++b) {{\n"
+            f"    int row = m0 + ty + a * {THREADS}, n = n0 + tx + b * {THREADS};\n"
+            f"    if (row < {M} && n < {N}) {store};\n  }}\n")
+
+
+@lowers("expert_matmul")
+def expert_matmul(ctx: NodeCtx) -> None:
+    """One work-group per (output column, (row, slot) pair) reads only the selected expert's row."""
+    x, w, ids = ctx.ins
+    out = ctx.outs[0]
+    _, n, k = w.type.shape
+    pairs = prod(ids.type.shape)
+    slots = dim(ids.type.shape[1])
+    xrow = f"x + (i64)(p / {slots}) * {dim(k)}" if x.type.rank == 2 else f"x + (i64)p * {dim(k)}"
+    g = Gemv(w.type.dtype, k)
+    body = _gemv_body(g, 1, "1", dim(n), f"  int n = GID(0) * {g.cols} + col, p = GID(1), r0 = 0;\n",
+                      f"(i64)ids[p] * {dim(n)} + n", xrow, f"out[(i64)p * {dim(n)} + n] = {{}}")
+    ctx.launch("expert_matmul", body, buffers=[("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)],
+               groups=[cdiv(dim(n), g.cols), pairs], local=(g.lanes, g.cols))

@@ -1,0 +1,153 @@
+"""The `opencl` backend: C-style kernels in the OpenCL C dialect, built and run with pyopencl.
+
+Runs on any OpenCL 1.2+ device; on a CPU-only machine that is PoCL (Debian package
+`pocl-opencl-icd`), which is what CI uses. A GPU device is preferred when there is one.
+
+The artifact keeps one source file per kernel (kernels/opencl/<kernel>.cl, plus the shared
+header): kernel names are content hashes, so the prefill, verify and decode programs of a
+model share most files. A process builds each kernel once: kernels not built yet are built
+together as one OpenCL program when compiling (which validates them) or on the first
+launch after a load (PoCL compiles a kernel again for every program holding it), and
+PoCL's disk cache (~/.cache/pocl, or $POCL_CACHE_DIR) lets the next process skip the compile.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from dflash_ir.ir import Graph
+
+from .base import BackendUnavailable, register_backend
+from .compiled import CompiledBackend
+from .cstyle import DIALECTS
+from .lowering import lower
+from .plan import Plan
+
+_INSTALL = "install an OpenCL driver, e.g. the Debian package pocl-opencl-icd (PoCL runs kernels on the CPU)"
+# the reference divides and takes square roots correctly rounded; OpenCL may not by default
+BUILD_OPTIONS = ["-cl-fp32-correctly-rounded-divide-sqrt"]
+
+
+@functools.cache
+def _context():
+    """(context, queue, device) on the first GPU, else the first device of any platform."""
+    import pyopencl as cl
+
+    devices = [d for p in cl.get_platforms() for d in p.get_devices()]
+    if not devices:
+        raise BackendUnavailable(f"no OpenCL device found: {_INSTALL}")
+    device = next((d for d in devices if d.type & cl.device_type.GPU), devices[0])
+    ctx = cl.Context([device])
+    return ctx, cl.CommandQueue(ctx), device
+
+
+def _program(source: str) -> dict[str, Any]:
+    """Kernels by name; raises with the build log on a compile error."""
+    import pyopencl as cl
+
+    ctx, _, _ = _context()
+    program = cl.Program(ctx, source).build(options=BUILD_OPTIONS)
+    return {k.function_name: k for k in program.all_kernels()}
+
+
+class KernelLibrary:
+    """Every kernel this process has seen, by name (a content hash); the ones not built yet
+    are built together, as one program, when one of them is needed."""
+
+    def __init__(self):
+        self.header = ""
+        self.sources: dict[str, str] = {}
+        self.built: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def add(self, header: str, sources: Mapping[str, str]) -> None:
+        self.header = header
+        self.sources.update(sources)
+
+    def build_pending(self) -> None:
+        with self._lock:
+            pending = [s for n, s in self.sources.items() if n not in self.built]
+            if pending:
+                self.built.update(_program(self.header + "\n".join(pending)))
+
+    def kernel(self, name: str):
+        if name not in self.built:
+            self.build_pending()
+        return self.built[name]
+
+
+_LIBRARY = KernelLibrary()
+
+
+class CLDevice:
+    def __init__(self):
+        import pyopencl as cl
+
+        self._cl = cl
+        self.ctx, self.queue, _ = _context()
+
+    def alloc(self, nbytes: int):
+        return self._cl.Buffer(self.ctx, self._cl.mem_flags.READ_WRITE, nbytes)
+
+    def upload(self, buf, array: np.ndarray) -> None:
+        self._cl.enqueue_copy(self.queue, buf, array)
+
+    def download(self, buf, array: np.ndarray) -> None:
+        self._cl.enqueue_copy(self.queue, array, buf)
+
+    def launch(self, kernel: str, groups, local, args) -> None:
+        k = _LIBRARY.kernel(kernel)
+        k.set_args(*args)
+        size = tuple(g * l for g, l in zip(groups, local))
+        self._cl.enqueue_nd_range_kernel(self.queue, k, size, tuple(local))
+
+
+@register_backend
+class OpenCLBackend(CompiledBackend):
+    name = "opencl"
+    dialect = "opencl"
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import pyopencl as cl
+        except ImportError:
+            return "pyopencl is not installed (pip install pyopencl)"
+        try:
+            if not any(p.get_devices() for p in cl.get_platforms()):
+                return f"no OpenCL device found: {_INSTALL}"
+        except cl.Error:
+            return f"no OpenCL platform found: {_INSTALL}"
+        return None
+
+    def device_description(self) -> str:
+        if self.unavailable_reason():
+            return "OpenCL (no device here)"
+        _, _, device = _context()
+        return f"{device.name.strip()} ({device.platform.name.strip()}, {device.version.strip()})"
+
+    def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
+        """One file per kernel plus the header; the graph's kernels are built when an OpenCL
+        device is present, so a kernel the device rejects fails at compile time."""
+        plan = lower(graph)
+        dialect = DIALECTS[self.dialect]
+        folder = Path(out_dir) / "kernels" / "opencl"
+        folder.mkdir(parents=True, exist_ok=True)
+        files = {"header.cl": dialect.module_header(), **{f"{name}.cl": dialect.kernel_source(k)
+                                                   for name, k in plan.kernels.items()}}
+        for name, text in files.items():
+            if not (folder / name).exists():
+                (folder / name).write_text(text)
+        if self.unavailable_reason() is None:
+            _LIBRARY.add(dialect.module_header(), {n: dialect.kernel_source(k) for n, k in plan.kernels.items()})
+            _LIBRARY.build_pending()
+        return {"dialect": self.dialect, "sources": "kernels/opencl", "plan": plan.to_dict()}
+
+    def device_for(self, entry: Mapping[str, Any], artifact_dir: Path) -> CLDevice:
+        folder = artifact_dir / entry["sources"]
+        names = Plan.from_dict(entry["plan"]).kernel_names()
+        _LIBRARY.add((folder / "header.cl").read_text(), {n: (folder / f"{n}.cl").read_text() for n in names})
+        return CLDevice()

@@ -1,0 +1,109 @@
+"""The launch plan of a compiled graph: what the manifest stores and every device runs.
+
+A plan is dialect-neutral plain data: per graph node, the kernels to launch in order with
+their buffer bindings (value names), int arguments and grid sizes, plus value aliases
+(views that share a buffer) and host-side checks of inputs. Sizes are expressions over the
+graph's symbols (named `n_<symbol>` as in the kernels), e.g. "cdiv(n_T*64, 256)", so one
+plan serves every call. A launch may carry a `when` condition: variants of a node (GEMV
+for few rows, tiled GEMM for many) are chosen per call from the bound sizes.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+from .cstyle import Kernel
+
+_FUNCS = {"cdiv": lambda a, b: -(-a // b), "min": min, "max": max}
+_NODES = (ast.Expression, ast.BinOp, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Call, ast.Name, ast.Load,
+          ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.USub, ast.And, ast.Or,
+          ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq)
+
+
+def symbol_param(symbol: str) -> str:
+    """The C / expression name of a graph symbol."""
+    return "n_" + re.sub(r"\W", "_", symbol)
+
+
+def compile_expr(text: str) -> Callable[[Mapping[str, int]], int]:
+    """A size expression as a function of the symbol values (integer arithmetic only)."""
+    tree = ast.parse(text, mode="eval")
+    for node in ast.walk(tree):
+        if not isinstance(node, _NODES) or (isinstance(node, ast.Call) and
+                                            not (isinstance(node.func, ast.Name) and node.func.id in _FUNCS)):
+            raise ValueError(f"size expression {text!r}: {type(node).__name__} is not allowed")
+        if isinstance(node, ast.Constant) and not isinstance(node.value, int):
+            raise ValueError(f"size expression {text!r}: only int constants are allowed")
+    code = compile(tree, f"<size {text}>", "eval")
+    return lambda env: int(eval(code, {"__builtins__": {}, **_FUNCS}, dict(env)))
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    buffers: tuple[str, ...]          # value names bound to the kernel's buffer params
+    ints: tuple[str, ...]             # size expressions for its int params
+    groups: tuple[str, str, str]      # work-groups per dimension
+    local: tuple[int, int, int]
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """The launches of one graph node; `constant` nodes (weights only) run once at load."""
+
+    node: int
+    launches: tuple[Launch, ...]
+    constant: bool = False
+    temps: tuple[str, ...] = ()     # intermediates of a fused op, live during this step only
+
+
+@dataclass(frozen=True)
+class Check:
+    """A host-side check of a graph input that a kernel could not report (out-of-range ids,
+    cache positions): kind in `index` (values of `value` in [0, size)), `kv_write`, `attention`."""
+
+    kind: str
+    value: str
+    size: str = "0"
+    rows: str = "0"
+    flags: tuple[str, ...] = ()
+
+
+@dataclass
+class Plan:
+    graph: str
+    kernels: dict[str, Kernel] = field(default_factory=dict)   # at compile time only: bodies to render
+    steps: list[Step] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)   # value -> value whose buffer it shares
+    temps: dict[str, str] = field(default_factory=dict)     # temporary value -> its type ("f32[T,64]")
+    checks: list[Check] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON/YAML-able manifest form, defaults left out: kernels appear by name (their sources
+        are the backend's files); steps without launches (views) only as aliases."""
+        def launch(l: Launch) -> dict[str, Any]:
+            d = {"kernel": l.kernel, "buffers": list(l.buffers), "groups": list(l.groups), "local": list(l.local)}
+            return {**d, **({"ints": list(l.ints)} if l.ints else {}), **({"when": l.when} if l.when else {})}
+
+        def step(s: Step) -> dict[str, Any]:
+            return {"node": s.node, "launches": [launch(l) for l in s.launches],
+                    **({"constant": True} if s.constant else {}), **({"temps": list(s.temps)} if s.temps else {})}
+
+        return {"graph": self.graph, "steps": [step(s) for s in self.steps if s.launches],
+                "aliases": dict(self.aliases), "temps": dict(self.temps), "checks": [asdict(c) for c in self.checks]}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> "Plan":
+        steps = [Step(s["node"], tuple(Launch(l["kernel"], tuple(l["buffers"]), tuple(l.get("ints", ())),
+                                              tuple(l["groups"]), tuple(l["local"]), l.get("when"))
+                                       for l in s["launches"]), s.get("constant", False), tuple(s.get("temps", ())))
+                 for s in d["steps"]]
+        checks = [Check(c["kind"], c["value"], c["size"], c["rows"], tuple(c["flags"])) for c in d["checks"]]
+        return Plan(d["graph"], {}, steps, dict(d["aliases"]), dict(d["temps"]), checks)
+
+    def kernel_names(self) -> list[str]:
+        """Every kernel the plan launches, in first-launch order."""
+        return list(dict.fromkeys(l.kernel for s in self.steps for l in s.launches))

@@ -1,0 +1,254 @@
+"""Runs a launch plan on a device: the part of the opencl/cuda/rocm backends that is the same
+for all of them. A device only has to allocate, copy and launch (tinygrad's Allocator +
+Program split); binding, memory planning, host checks and launch order live here.
+
+Per call: symbols are bound from the input and state shapes, inputs and states are copied
+to the device, the steps launch in order, outputs and state updates are copied back.
+Weights are uploaded once, and steps that depend on weights only (e.g. dequantising a
+weight) run once at load; both are shared by every program of one load through `Resident`.
+Activation buffers are planned per set of symbol values by liveness (a buffer is reused
+once its last reader has run) and kept for the next call with the same sizes.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+
+from dflash_ir.errors import ContextOverflowError
+from dflash_ir.interpreter import BindError, RunResult, WeightLoader, storage_shape
+from dflash_ir.ir import Graph, Value
+from dflash_ir.types import parse_type
+
+from .plan import Check, Plan, compile_expr, symbol_param
+
+_PLANS_KEPT = 4  # buffer sets kept for distinct symbol values (prefill chunk sizes, T=1, T=16 ...)
+
+
+class Device(Protocol):
+    def alloc(self, nbytes: int) -> Any: ...
+    def upload(self, buf: Any, array: np.ndarray) -> None: ...
+    def download(self, buf: Any, array: np.ndarray) -> None: ...
+    def launch(self, kernel: str, groups: tuple[int, ...], local: tuple[int, ...], args: list) -> None: ...
+
+
+class Resident:
+    """Device buffers that outlive a call: weights and weight-only results, keyed by what
+    they hold (not by program), so the programs of one model share them."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, Any] = {}
+
+
+class DeviceProgram:
+    def __init__(self, graph: Graph, plan: Plan, device: Device, weights: WeightLoader, resident: Resident):
+        self.graph = graph
+        self.plan = plan
+        self.device = device
+        self.values = {**graph.values(), **{n: Value(n, parse_type(t)) for n, t in plan.temps.items()}}
+        self._exprs: dict[str, Callable] = {}
+        self._memory: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
+        self._root = lambda name: plan.aliases.get(name, name)
+        self._keys = self._constant_keys(weights)
+        self._resident = {w.value.name: self._weight(w, weights, resident) for w in graph.weights}
+        self._run_constant_steps(resident)
+        self._kept = {self._root(v) for _, v in graph.outputs} | {self._root(s.update) for s in graph.states if s.update}
+        self._last_use: dict[str, int] = {}
+        for i, step in enumerate(plan.steps):
+            for x in graph.nodes[step.node].inputs:
+                self._last_use[self._root(x)] = i
+
+    # -- load time ----------------------------------------------------------------------
+    def _constant_keys(self, weights: WeightLoader) -> dict[str, tuple]:
+        """A content key per weight-derived value: equal keys hold equal bytes in any program
+        loaded with the same weight loader."""
+        keys = {w.value.name: ("weight", weights, w.source, w.tensor) for w in self.graph.weights}
+        for step in self.plan.steps:
+            node = self.graph.nodes[step.node]
+            if step.constant:
+                for n, v in enumerate(node.outputs):
+                    keys[v.name] = (node.op, node.attrs, tuple(keys[x] for x in node.inputs), n)
+        return keys
+
+    def _weight(self, w, weights: WeightLoader, resident: Resident):
+        key = self._keys[w.value.name]
+        if key not in resident.buffers:
+            arr = np.ascontiguousarray(weights(w))
+            expected = storage_shape(w.value, {})
+            if tuple(arr.shape) != expected or arr.dtype != w.value.type.dtype.numpy():
+                raise BindError(f"{self.graph.name}: weight {w.source}:{w.tensor} loaded as {arr.dtype}{list(arr.shape)}, "
+                                f"graph declares {w.value.type} (storage {w.value.type.dtype.numpy()}{list(expected)})")
+            buf = self.device.alloc(arr.nbytes)
+            self.device.upload(buf, arr)
+            resident.buffers[key] = buf
+        return resident.buffers[key]
+
+    def _run_constant_steps(self, resident: Resident) -> None:
+        for step in self.plan.steps:
+            if not step.constant:
+                continue
+            outs = [v for v in self.graph.nodes[step.node].outputs if self._root(v.name) == v.name]
+            missing = [v for v in outs if self._keys[v.name] not in resident.buffers]
+            for v in missing:
+                resident.buffers[self._keys[v.name]] = self.device.alloc(_nbytes(v, {}))
+            for v in outs:
+                self._resident[v.name] = resident.buffers[self._keys[v.name]]
+            if missing:
+                self._launch_step(step, self._resident, {})
+
+    # -- per call -----------------------------------------------------------------------
+    def _expr(self, text: str) -> Callable:
+        if text not in self._exprs:
+            self._exprs[text] = compile_expr(text)
+        return self._exprs[text]
+
+    def _bind(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray]):
+        bindings: dict[str, int] = {}
+        arrays: dict[str, np.ndarray] = {}
+        for what, values, given in (("input", self.graph.inputs, inputs),
+                                    ("state", [s.value for s in self.graph.states], states)):
+            for v in values:
+                if v.name not in given:
+                    raise BindError(f"{self.graph.name}: missing {what} {v.name!r} ({v.type})")
+                arr = np.asarray(given[v.name])
+                if arr.dtype != v.type.dtype.numpy():
+                    want = v.type.dtype.numpy()
+                    if arr.dtype.kind != want.kind and not (arr.dtype.kind in "iu" and want.kind in "iu"):
+                        raise BindError(f"{self.graph.name}: {what} {v.name!r} has dtype {arr.dtype}, expected {v.type}")
+                    arr = arr.astype(want)
+                if arr.ndim != v.type.rank:
+                    raise BindError(f"{self.graph.name}: {what} {v.name!r} has shape {list(arr.shape)}, expected {v.type}")
+                for d, n in zip(v.type.shape, arr.shape):
+                    if isinstance(d, int) and d != n:
+                        raise BindError(f"{self.graph.name}: {what} {v.name!r} has shape {list(arr.shape)}, expected {v.type}")
+                    if isinstance(d, str) and bindings.setdefault(d, n) != n:
+                        raise BindError(f"{self.graph.name}: {what} {v.name!r} binds {d}={n}, but {d}={bindings[d]} elsewhere")
+                arrays[v.name] = np.require(arr, requirements="C")  # (ascontiguousarray makes 0-d arrays 1-d)
+        missing = self.graph.symbols - set(bindings)
+        if missing:
+            raise BindError(f"{self.graph.name}: symbols {sorted(missing)} are not bound by any input or state shape")
+        return bindings, arrays
+
+    def _check(self, c: Check, arr: np.ndarray, env: dict[str, int]) -> None:
+        size, rows = self._expr(c.size)(env), self._expr(c.rows)(env)
+        name = f"{self.graph.name}: input {c.value!r}"
+        if c.kind == "index":
+            bad = np.flatnonzero((arr < 0) | (arr >= size))
+            if bad.size:
+                raise ValueError(f"{name}: index {int(arr.flat[bad[0]])} is out of range [0, {size})")
+        elif c.kind == "kv_write":
+            pos = int(arr)
+            if pos < 0:
+                raise ValueError(f"{name}: kv_write: negative position {pos}")
+            if pos + rows > size:
+                raise ContextOverflowError(f"context overflow: writing {rows} rows at position {pos} needs rows up to "
+                                           f"{pos + rows} but the cache holds {size}")
+        elif c.kind == "attention":
+            n = int(arr)
+            if not 0 < n <= size:
+                raise ValueError(f"{name}: attention: kv_len {n} is outside (0, {size}] (the cache capacity)")
+            if "ordered" in c.flags and n < rows:
+                raise ValueError(f"{name}: attention: {rows} queries cannot be the last rows of kv_len {n}")
+
+    def _buffers(self, bindings: dict[str, int]) -> dict[str, Any]:
+        """Device buffers of every non-resident value for these symbol values, reusing a
+        buffer once the last step reading its value has run."""
+        key = tuple(sorted(bindings.items()))
+        if key in self._memory:
+            self._memory.move_to_end(key)
+            return self._memory[key]
+        slots: list[tuple[int, Any]] = []
+        free: list[int] = []
+        where: dict[str, int] = {}
+
+        def place(v: Value) -> None:
+            need = _nbytes(v, bindings)
+            fits = [s for s in free if slots[s][0] >= need]
+            if fits:
+                best = min(fits, key=lambda s: slots[s][0])
+                free.remove(best)
+            else:
+                best = len(slots)
+                slots.append((need, self.device.alloc(need)))
+            where[v.name] = best
+
+        for v in list(self.graph.inputs) + [s.value for s in self.graph.states]:
+            place(v)
+        for i, step in enumerate(self.plan.steps):
+            node = self.graph.nodes[step.node]
+            if step.constant:
+                continue
+            for v in list(node.outputs) + [self.values[t] for t in step.temps]:
+                if self._root(v.name) == v.name:
+                    place(v)
+            for x in set(node.inputs) | set(step.temps) | {v.name for v in node.outputs}:
+                root = self._root(x)
+                if (self._last_use.get(root, i) == i and root not in self._kept and root in where
+                        and where[root] not in free):
+                    free.append(where[root])
+        buffers = {name: slots[s][1] for name, s in where.items()}
+        self._memory[key] = buffers
+        if len(self._memory) > _PLANS_KEPT:
+            self._memory.popitem(last=False)
+        return buffers
+
+    def _launch_step(self, step, buffers: Mapping[str, Any], env: dict[str, int]) -> None:
+        for launch in step.launches:
+            if launch.when and not self._expr(launch.when)(env):
+                continue
+            groups = tuple(self._expr(g)(env) for g in launch.groups)
+            if 0 in groups:
+                continue
+            args = [buffers[self._root(v)] for v in launch.buffers]
+            args += [np.int32(self._expr(e)(env)) for e in launch.ints]
+            self.device.launch(launch.kernel, groups, launch.local, args)
+
+    def _prepare(self, inputs, states) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
+        """Bind, check and upload: (bindings, size-expression env, buffer of every value)."""
+        bindings, arrays = self._bind(inputs, states or {})
+        env = {symbol_param(s): n for s, n in bindings.items()}
+        for c in self.plan.checks:
+            self._check(c, arrays[c.value], env)
+        buffers = {**self._buffers(bindings), **self._resident}
+        for name, arr in arrays.items():
+            if arr.size:
+                self.device.upload(buffers[name], arr)
+        return bindings, env, buffers
+
+    def _launch_all(self, buffers: Mapping[str, Any], env: dict[str, int]) -> None:
+        for step in self.plan.steps:
+            if not step.constant:
+                self._launch_step(step, buffers, env)
+
+    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None) -> RunResult:
+        bindings, env, buffers = self._prepare(inputs, states)
+        self._launch_all(buffers, env)
+
+        def read(name: str) -> np.ndarray:
+            v = self.values[name]
+            out = np.empty(storage_shape(v, bindings), dtype=v.type.dtype.numpy())
+            if out.size:
+                self.device.download(buffers[self._root(name)], out)
+            return out
+
+        outputs = {name: read(value) for name, value in self.graph.outputs}
+        new_states = {s.value.name: read(s.update) for s in self.graph.states if s.update is not None}
+        return RunResult(outputs, new_states, bindings)
+
+    def launcher(self, inputs: Mapping[str, np.ndarray],
+                 states: Mapping[str, np.ndarray] | None = None) -> Callable[[], None]:
+        """A function that runs the kernels alone (inputs uploaded once, now) and waits for
+        the device: what a benchmark compares with the bytes the kernels move."""
+        _, env, buffers = self._prepare(inputs, states)
+        first = buffers[self._root(self.graph.outputs[0][1])]
+
+        def launch() -> None:
+            self._launch_all(buffers, env)
+            self.device.download(first, np.empty(1, np.uint8))  # in-order queue: waits for all
+        return launch
+
+
+def _nbytes(v: Value, bindings: Mapping[str, int]) -> int:
+    shape = storage_shape(v, bindings)
+    return max(4, int(np.prod(shape, dtype=np.int64)) * v.type.dtype.numpy().itemsize)

@@ -1,0 +1,336 @@
+"""Every kernel against the interpreter: single-node graphs on random data, edge shapes included
+(one row, odd sizes, GQA 1 and >1, kv_len below capacity, T not a multiple of the chunk).
+
+Used by the test suite (PoCL), the GPU checks and by hand on a new device:
+
+    python -m dflash_ir.backends.selftest opencl [case-name-substring]
+
+A case passes when every float output is within TOL * max|reference| of the reference
+(1e-5: the f32 contract of ARCHITECTURE.md §8) and every integer output is equal.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from dflash_ir.builder import GraphBuilder
+from dflash_ir.dtypes import DType
+from dflash_ir.interpreter import Interpreter
+from dflash_ir.ir import Graph, Value
+from dflash_ir.quant import quantize
+
+F32, F16, BF16, Q8, I32 = DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32
+TOL = 1e-5
+
+
+class CaseBuilder:
+    """A GraphBuilder that also makes the random arrays its inputs, weights and states hold."""
+
+    def __init__(self, name: str, bindings: dict[str, int], seed: int):
+        self.b = GraphBuilder(name)
+        self.bindings = bindings
+        self.rng = np.random.default_rng(seed)
+        self.weights: dict[str, np.ndarray] = {}
+        self.inputs: dict[str, np.ndarray] = {}
+        self.states: dict[str, np.ndarray] = {}
+        self._outs = 0
+
+    def _shape(self, shape) -> tuple[int, ...]:
+        return tuple(self.bindings[d] if isinstance(d, str) else d for d in shape)
+
+    def x(self, name: str, shape, dtype: DType = F32, scale: float = 1.0) -> Value:
+        data = self.rng.standard_normal(self._shape(shape)).astype(np.float32) * np.float32(scale)
+        self.inputs[name] = data if dtype is F32 else data.astype(dtype.numpy())
+        return self.b.input(name, dtype, shape)
+
+    def ints(self, name: str, shape, high: int, low: int = 0) -> Value:
+        self.inputs[name] = self.rng.integers(low, high, self._shape(shape)).astype(np.int32)
+        return self.b.input(name, I32, shape)
+
+    def scalar(self, name: str, value: int) -> Value:
+        self.inputs[name] = np.int32(value)
+        return self.b.input(name, I32, ())
+
+    def w(self, name: str, shape, dtype: DType = F32, scale: float = 0.5) -> Value:
+        self.weights[name] = quantize(self.rng.standard_normal(shape).astype(np.float32) * np.float32(scale), dtype)
+        return self.b.weight(name, dtype, shape)
+
+    def s(self, name: str, shape, scale: float = 0.5) -> Value:
+        self.states[name] = self.rng.standard_normal(self._shape(shape)).astype(np.float32) * np.float32(scale)
+        return self.b.state(name, F32, shape)
+
+    def out(self, *values: Value) -> None:
+        for v in values:
+            self.b.output(f"out{self._outs}", v)
+            self._outs += 1
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    make: Callable[[CaseBuilder], None]
+    bindings: tuple[tuple[str, int], ...]
+
+    def build(self, seed: int = 0) -> CaseBuilder:
+        c = CaseBuilder(self.name, dict(self.bindings), seed)
+        self.make(c)
+        return c
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(name: str, **bindings: int):
+    """Register `fn(CaseBuilder)` as case `name`, with the symbol values of its arrays."""
+    def deco(fn):
+        CASES[name] = Case(name, fn, tuple(bindings.items()))
+        return fn
+    return deco
+
+
+# -- elementwise --------------------------------------------------------------------------
+for _op in ("add", "sub", "mul", "div", "swiglu", "sigmoid_gate"):
+    case(f"{_op}_broadcast", T=5)(lambda c, op=_op: c.out(c.b.op(op, c.x("a", ("T", 3, 4)), c.x("b", (3, 1)))))
+case("add_i32", T=7)(lambda c: c.out(c.b.add(c.ints("a", ("T",), 100, -100), c.ints("b", (1,), 50))))
+case("mul_i32_same", T=3)(lambda c: c.out(c.b.mul(c.ints("a", ("T", 5), 100, -100), c.ints("b", ("T", 5), 9))))
+case("mul_row_by_column", T=4)(lambda c: c.out(c.b.mul(c.x("a", ("T", 2, 64)), c.x("b", ("T", 2, 1)))))
+for _op in ("neg", "exp", "sigmoid", "silu", "softplus"):
+    case(f"{_op}_odd", T=7)(lambda c, op=_op: c.out(c.b.op(op, c.x("x", ("T", 13), scale=8.0))))
+case("scale")(lambda c: c.out(c.b.scale(c.x("x", (3, 5)), factor=0.125)))
+case("cast_f32_f16")(lambda c: c.out(c.b.cast(c.x("x", (5, 7), scale=100.0), dtype="f16")))
+case("cast_f16_f32")(lambda c: c.out(c.b.cast(c.x("x", (5, 7), dtype=F16), dtype="f32")))
+case("cast_f32_i32")(lambda c: c.out(c.b.cast(c.x("x", (9,), scale=50.0), dtype="i32")))
+case("cast_i32_f32")(lambda c: c.out(c.b.cast(c.ints("x", (9,), 1000, -1000), dtype="f32")))
+
+# -- reductions ---------------------------------------------------------------------------
+for _dt in (F32, F16, BF16):
+    case(f"rmsnorm_w_{_dt}", T=3)(lambda c, dt=_dt: c.out(c.b.rmsnorm(c.x("x", ("T", 2, 37)), c.w("w", (37,), dt), eps=1e-6)))
+case("rmsnorm_one_row_no_weight")(lambda c: c.out(c.b.rmsnorm(c.x("x", (1, 1000)), eps=1e-5)))
+case("l2norm", T=5)(lambda c: c.out(c.b.l2norm(c.x("x", ("T", 3, 16)), eps=1e-6)))
+case("softmax_last", T=3)(lambda c: c.out(c.b.softmax(c.x("x", ("T", 300), scale=5.0), axis=-1)))
+case("softmax_axis0")(lambda c: c.out(c.b.softmax(c.x("x", (7, 3, 5)), axis=0)))
+case("argmax_ties")(lambda c: c.out(c.b.argmax(c.b.cast(c.b.cast(c.x("x", (4, 1000), scale=3.0), dtype="i32"), dtype="f32"))))
+case("argmax_one_row")(lambda c: c.out(c.b.argmax(c.x("x", (1, 70000)))))
+case("topk_ties", T=6)(lambda c: c.out(*c.b.topk(c.b.cast(c.b.cast(c.x("x", ("T", 10), scale=2.0), dtype="i32"),
+                                                               dtype="f32"), k=4)))
+case("topk_experts", T=3)(lambda c: c.out(*c.b.topk(c.b.softmax(c.x("x", ("T", 64)), axis=-1), k=8)))
+case("sum_last_keepdims", T=5)(lambda c: c.out(c.b.sum(c.x("x", ("T", 2)), axis=-1, keepdims=True)))
+case("sum_middle", T=5)(lambda c: c.out(c.b.sum(c.x("x", ("T", 3, 64)), axis=1)))
+case("sum_i32")(lambda c: c.out(c.b.sum(c.ints("x", (4, 9), 100, -100), axis=0)))
+
+# -- weights: dequantize, embedding, matmul -------------------------------------------------
+for _dt in (F16, BF16, Q8):
+    case(f"dequantize_{_dt}")(lambda c, dt=_dt: c.out(c.b.dequantize(c.w("w", (3, 4, 64), dt))))
+for _dt in (F32, F16, BF16, Q8):
+    case(f"embedding_{_dt}", T=6)(lambda c, dt=_dt: c.out(c.b.embedding(c.w("table", (50, 64), dt), c.ints("ids", ("T",), 50))))
+for _dt in (F32, F16, BF16, Q8):
+    for _rows in (1, 5, 16, 40):
+        case(f"matmul_{_dt}_{_rows}_rows", T=_rows)(
+            lambda c, dt=_dt: c.out(c.b.matmul(c.x("x", ("T", 96)), c.w("w", (70, 96), dt))))
+case("matmul_fixed_one_row")(lambda c: c.out(c.b.matmul(c.x("x", (1, 64)), c.w("w", (33, 64), Q8))))
+for _t in (3, 20):  # 6 rows (GEMV) and 40 rows (GEMM), K not a multiple of its tile
+    case(f"matmul_rank3_odd_k_T{_t}", T=_t)(lambda c: c.out(c.b.matmul(c.x("x", ("T", 2, 37)), c.w("w", (19, 37)))))
+case("matmul_dequantized_weight", T=3)(  # the dequantize runs once, at load (a constant step)
+    lambda c: c.out(c.b.matmul(c.x("x", ("T", 64)), c.b.dequantize(c.w("w", (24, 64), Q8)))))
+case("matmul_vector")(lambda c: c.out(c.b.matmul(c.x("x", (64,)), c.w("w", (5, 64), F16))))
+
+
+def _specialised(op: str, dtype: DType, form: str, residual: bool, act_quant: bool = False):
+    def make(c: CaseBuilder) -> None:
+        x = c.x("x", ("T", 128))
+        extra = [c.x("r", ("T", 48))] if residual else []
+        c.out(c.b.op(op, x, c.w("w", (48, 128), dtype), *extra, form=form, K=128, N=48,
+                     layout=f"{dtype}_rowmajor", act_quant=act_quant))
+    return make
+
+
+for _form, _t in (("gemv", 3), ("gemv", 20), ("gemm", 37)):  # the form is a hint: rows decide
+    case(f"matmul_q8_0_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, residual=_t == 3))
+    case(f"matmul_q8_0_act_quant_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, False, True))
+    case(f"matmul_f16_residual_{_t}_rows", T=_t)(_specialised("matmul_f16", F16, _form, residual=True))
+for _dt in (F16, Q8):
+    case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
+        c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))
+case("expert_matmul_per_slot", T=3)(lambda c: c.out(c.b.expert_matmul(
+    c.x("x", ("T", 2, 32)), c.w("w", (4, 64, 32), Q8), c.ints("ids", ("T", 2), 4))))
+
+# -- rope ---------------------------------------------------------------------------------
+case("rope_partial", T=5)(lambda c: c.out(c.b.rope(c.x("x", ("T", 3, 32)), c.ints("pos", ("T",), 20000),
+                                                     n_rot=16, theta=1e7)))
+case("rope_sections", T=4)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 32)), c.ints("pos", ("T", 4), 500),
+                                                      n_rot=24, theta=1e4, sections=(6, 3, 3))))
+case("rope_interleaved", T=4)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 32)), c.ints("pos", ("T",), 4000),
+                                                         n_rot=8, theta=1e7, sections=(2, 1, 1, 0), interleaved=True)))
+
+
+# -- attention and caches -------------------------------------------------------------------
+def _attention(hq: int, hkv: int, t: int, kv_len: int, cap: int, d: int = 32, dv: int = 32, **attrs):
+    def make(c: CaseBuilder) -> None:
+        q, k, v = c.x("q", ("T", hq, d)), c.x("k", ("C", hkv, d)), c.x("v", ("C", hkv, dv))
+        c.out(c.b.attention(q, k, v, c.scalar("kv_len", kv_len), scale=d ** -0.5, **attrs))
+    return case(f"attention_{'_'.join(f'{k}{v}' for k, v in attrs.items())}_gqa{hq // hkv}_T{t}_kv{kv_len}",
+                T=t, C=cap)(make)
+
+
+_attention(4, 4, 5, 9, 16, causal=True)
+_attention(4, 2, 1, 150, 200, causal=True, d=64, dv=40)
+_attention(8, 2, 16, 20, 40, causal=False)
+_attention(2, 1, 7, 140, 150, causal=True, window=70)
+
+
+def _kv_write(c: CaseBuilder, also_read_old: bool) -> None:
+    cache = c.s("cache", ("C", 2, 8))
+    new = c.b.kv_write(cache, c.x("new", ("T", 2, 8)), c.scalar("pos", 3))
+    c.b.update_state(cache, new)
+    c.out(c.b.sum(cache, axis=0) if also_read_old else c.b.neg(new))
+
+
+case("kv_write_in_place", T=4, C=10)(lambda c: _kv_write(c, False))
+case("kv_write_copy", T=4, C=10)(lambda c: _kv_write(c, True))
+
+# -- Gated DeltaNet -----------------------------------------------------------------------
+for _t, _emit, _dt in ((1, False, F32), (5, True, F16)):
+    case(f"causal_conv1d_T{_t}_{'rows' if _emit else 'plain'}", T=_t)(
+        lambda c, emit=_emit, dt=_dt: c.out(*c.b.causal_conv1d(c.x("x", ("T", 37)), c.w("w", (37, 4), dt),
+                                                               c.s("state", (3, 37)), emit_row_states=emit)))
+
+
+def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, emit: bool):
+    def make(c: CaseBuilder) -> None:
+        q = c.b.l2norm(c.x("q", ("T", hk, dk)), eps=1e-6)
+        k = c.b.l2norm(c.x("k", ("T", hk, dk)), eps=1e-6)
+        g = c.b.neg(c.b.softplus(c.x("g", ("T", hv))))
+        beta = c.b.sigmoid(c.x("beta", ("T", hv)))
+        c.out(*c.b.gated_delta_rule(q, k, c.x("v", ("T", hv, dv)), g, beta, c.s("state", (hv, dk, dv)),
+                                    scale=dk ** -0.5, head_map=head_map, chunk_size=chunk, emit_row_states=emit))
+    return make
+
+
+case("gated_delta_rule_rows_tiled", T=5)(_gdn(2, 4, 16, 16, "tiled", 0, True))
+case("gated_delta_rule_grouped_dv40", T=3)(_gdn(1, 3, 32, 40, "grouped", 0, False))
+case("gated_delta_rule_chunked_tail", T=7)(_gdn(2, 2, 16, 16, "tiled", 4, False))
+
+# -- data movement ------------------------------------------------------------------------
+case("concat_axis1", T=3)(lambda c: c.out(c.b.concat(c.x("a", ("T", 4)), c.x("b", ("T", 7)), c.x("c", ("T", 1)), axis=1)))
+case("concat_axis0")(lambda c: c.out(c.b.concat(c.ints("a", (2, 3), 9), c.ints("b", (4, 3), 9), axis=0)))
+case("slice_axis1", T=3)(lambda c: c.out(c.b.slice(c.x("x", ("T", 12, 2)), axis=1, start=3, stop=8)))
+case("slice_axis0_to_end")(lambda c: c.out(c.b.slice(c.x("x", (16, 5)), axis=0, start=1)))
+case("reshape_view", T=3)(lambda c: c.out(c.b.neg(c.b.reshape(c.x("x", ("T", 12)), shape=("T", 3, 4)))))
+case("reshape_output_of_input", T=2)(lambda c: c.out(c.b.reshape(c.x("x", ("T", 6)), shape=("T", 2, 3))))
+case("transpose_102", T=3)(lambda c: c.out(c.b.transpose(c.x("x", ("T", 4, 5)), perm=(1, 0, 2))))
+case("transpose_201")(lambda c: c.out(c.b.transpose(c.x("x", (2, 3, 5)), perm=(2, 0, 1))))
+case("gather_rows", T=6, R=3)(lambda c: c.out(c.b.gather(c.x("x", ("T", 8)), c.ints("idx", ("R",), 6), axis=0)))
+case("gather_axis1_2d")(lambda c: c.out(c.b.gather(c.x("x", (3, 9, 2)), c.ints("idx", (2, 2), 9), axis=1)))
+case("repeat_tile", T=2)(lambda c: c.out(c.b.repeat(c.x("x", ("T", 3, 4)), axis=1, repeats=3, mode="tile")))
+case("repeat_interleave", T=2)(lambda c: c.out(c.b.repeat(c.x("x", ("T", 3, 4)), axis=1, repeats=2, mode="interleave")))
+
+
+# -- fused ops ------------------------------------------------------------------------------
+def _fused_attention(gated: bool, persist: bool):
+    def make(c: CaseBuilder) -> None:
+        hq, hkv, d = 4, 2, 16
+        q = c.x("q", ("T", hq, 2 * d if gated else d))
+        k, v = c.x("k", ("T", hkv, d)), c.x("v", ("T", hkv, d))
+        k_cache, v_cache = c.s("k_cache", ("C", hkv, d)), c.s("v_cache", ("C", hkv, d))
+        pos = 6
+        c.inputs["positions"] = np.arange(pos, pos + c.bindings["T"], dtype=np.int32)
+        positions = c.b.input("positions", I32, ("T",))
+        res = c.b.fused_attention(q, k, v, c.w("q_norm", (d,)), c.w("k_norm", (d,)), positions, c.scalar("pos", pos),
+                                  c.scalar("kv_len", pos + c.bindings["T"]), k_cache, v_cache, eps=1e-6, n_rot=8,
+                                  theta=1e6, sections=(), interleaved=False, scale=d ** -0.5, causal=persist,
+                                  window=0, gated=gated, persist=persist, variant="block")
+        if persist:
+            o, k_all, v_all = res
+            c.b.update_state(k_cache, k_all)
+            c.b.update_state(v_cache, v_all)
+            c.out(o)
+        else:
+            c.out(res)
+    return make
+
+
+case("fused_attention_gated_persist", T=5, C=16)(_fused_attention(True, True))
+case("fused_attention_block", T=4, C=12)(_fused_attention(False, False))
+
+
+@case("fused_moe", T=5)
+def _fused_moe(c: CaseBuilder) -> None:
+    e, w, f = 8, 64, 32
+    c.out(c.b.fused_moe(c.x("x", ("T", w)), c.w("router", (e, w), F16), c.w("gate_exps", (e, f, w), Q8),
+                        c.w("up_exps", (e, f, w), Q8), c.w("down_exps", (e, w, f), Q8), c.w("sh_gate", (f, w), Q8),
+                        c.w("sh_up", (f, w), Q8), c.w("sh_down", (w, f), Q8), c.w("sh_gate_inp", (w,)), k=3))
+
+
+# -- running ------------------------------------------------------------------------------
+def case_graph(c: CaseBuilder) -> Graph:
+    return c.b.build()
+
+
+def compare(backend, name: str, work_dir: Path, seed: int = 0) -> float:
+    """Run case `name` on `backend` and the interpreter; returns the worst relative error
+    (max |diff| / max |reference| over float outputs and states), raising AssertionError
+    past TOL or on any mismatch of integers or f16 casts."""
+    spec = CASES[name]
+    c = spec.build(seed)
+    graph = case_graph(c)
+
+    def loader(w):
+        return c.weights[w.tensor]
+
+    entry = backend.compile(graph, work_dir)
+    program = backend.load(graph, entry, work_dir, loader)
+    got = program.run(c.inputs, c.states)
+    want = Interpreter(graph, loader).run(c.inputs, c.states)
+    worst = 0.0
+    for kind, ours, ref in (("output", got.outputs, want.outputs), ("state", got.states, want.states)):
+        assert ours.keys() == ref.keys(), f"{name}: {kind}s {sorted(ours)} != {sorted(ref)}"
+        for key in ref:
+            a, b = np.asarray(ours[key]), np.asarray(ref[key])
+            assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {kind} {key} is {a.dtype}{a.shape}, want {b.dtype}{b.shape}"
+            if b.dtype.kind in "iub" or b.dtype == np.float16:  # indices, casts: exact
+                assert np.array_equal(a, b), f"{name}: {kind} {key} differs: {a} vs {b}"
+                continue
+            scale = float(np.abs(b).max()) if b.size else 0.0
+            err = float(np.abs(a.astype(np.float64) - b).max()) / scale if scale else float(np.abs(a).max(initial=0))
+            assert err <= TOL, f"{name}: {kind} {key}: max error {err:.3g} x max|ref| > {TOL}"
+            worst = max(worst, err)
+    return worst
+
+
+def main(argv: list[str]) -> int:
+    from .base import get_backend
+
+    if not argv:
+        print("usage: python -m dflash_ir.backends.selftest BACKEND [NAME-SUBSTRING]", file=sys.stderr)
+        return 2
+    backend = get_backend(argv[0])
+    backend.require()
+    print(f"{argv[0]} on {backend.device_description()}")
+    names = [n for n in CASES if len(argv) < 2 or argv[1] in n]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(os.cpu_count()) as pool:
+        # compile every case up front, in parallel: device compilers cache what they built
+        list(pool.map(lambda n: backend.compile(case_graph(CASES[n].build()), Path(tmp) / n), names))
+    failed = 0
+    for name in names:
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                err = compare(backend, name, Path(tmp))
+                print(f"  ok    {name:48s} max err {err:.1e}  ({time.perf_counter() - t0:.2f}s)")
+            except Exception as e:  # report every case, then fail
+                failed += 1
+                print(f"  FAIL  {name:48s} {type(e).__name__}: {e}")
+    print(f"{failed} failed" if failed else "all passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

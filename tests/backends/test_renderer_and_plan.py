@@ -1,0 +1,143 @@
+"""Device-free: one kernel description rendered in three dialects, the launch plan, size
+expressions, views and in-place updates, and the messages of backends that cannot run."""
+import json
+
+import numpy as np
+import pytest
+
+from dflash_ir.backends.base import BackendUnavailable, get_backend
+from dflash_ir.backends.cstyle import DIALECTS
+from dflash_ir.backends.lowering import lower
+from dflash_ir.backends.plan import Plan, compile_expr
+from dflash_ir.backends.selftest import CASES, case_graph
+from dflash_ir.backends.toolchain import elf_functions
+from dflash_ir.builder import GraphBuilder
+from dflash_ir.dtypes import DType
+
+
+def _plan(name: str) -> Plan:
+    return lower(case_graph(CASES[name].build()))
+
+
+def test_one_description_three_dialects():
+    kernel = next(iter(_plan("matmul_q8_0_act_quant_3_rows").kernels.values()))
+    sources = {name: d.render([kernel]) for name, d in DIALECTS.items()}
+    assert "__kernel __attribute__((reqd_work_group_size(" in sources["opencl"]
+    assert 'extern "C" __global__ void __launch_bounds__(256)' in sources["cuda"]
+    assert "#define DOT4_I8(a, b, acc) __dp4a((a), (b), (acc))" in sources["cuda"]
+    assert "__builtin_amdgcn_sdot4" in sources["hip"] and "hip/hip_runtime.h" in sources["hip"]
+    bodies = {s[s.index(kernel.name):] for s in sources.values()}
+    assert len({b[b.index("{"):] for b in bodies}) == 1, "kernel bodies must be identical across dialects"
+
+
+def test_symbolic_sizes_become_int_params_and_launch_expressions():
+    plan = _plan("matmul_f32_5_rows")
+    launches = [l for s in plan.steps for l in s.launches]
+    assert [l.when for l in launches] == ["(n_T) <= 16", "(n_T) > 16"]
+    assert all(l.ints == ("n_T",) for l in launches)
+    env = {"n_T": 40}
+    assert [bool(compile_expr(l.when)(env)) for l in launches] == [False, True]
+    assert tuple(compile_expr(g)(env) for g in launches[1].groups) == (3, 2, 1)
+
+
+def test_plan_round_trips_through_json():
+    plan = _plan("fused_attention_gated_persist")
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.steps == [s for s in plan.steps if s.launches]
+    assert (again.aliases, again.temps, again.checks) == (plan.aliases, plan.temps, plan.checks)
+
+
+@pytest.mark.parametrize("text", ["__import__('os')", "n_T.real", "open('x')", "1.5", "[1][0]"])
+def test_size_expressions_are_integer_arithmetic_only(text):
+    with pytest.raises(ValueError):
+        compile_expr(text)
+
+
+def test_cache_write_is_in_place_unless_the_old_cache_is_read():
+    in_place, copy = _plan("kv_write_in_place"), _plan("kv_write_copy")
+    assert in_place.aliases == {"kv_write": "cache"}
+    assert [l.kernel.split("_")[0] for s in copy.steps for l in s.launches][:2] == ["copy", "kv"]
+
+
+def test_reshape_is_a_view_and_identical_nodes_share_a_kernel():
+    b = GraphBuilder("g")
+    x = b.input("x", DType.F32, ("T", 12))
+    y = b.exp(b.reshape(x, shape=("T", 3, 4)))
+    b.output("out", b.add(b.exp(b.reshape(y, shape=("T", 12))), x))
+    plan = lower(b.build())
+    assert set(plan.aliases) == {"reshape", "reshape_1"}
+    exps = [l.kernel for s in plan.steps for l in s.launches if l.kernel.startswith("exp")]
+    assert len(exps) == 2 and len(set(exps)) == 1  # same element count: the same kernel
+    assert len(plan.kernels) == 2
+
+
+def test_weight_only_nodes_are_constant_steps():
+    plan = _plan("matmul_dequantized_weight")
+    assert [(s.launches[0].kernel.split("_")[0], s.constant) for s in plan.steps] == [("dequantize", True),
+                                                                                   ("matmul", False)]
+
+
+def test_fused_ops_lower_through_their_parts():
+    plan = _plan("fused_moe")
+    ops = [l.kernel.rsplit("_", 1)[0] for s in plan.steps for l in s.launches]
+    assert ops.count("expert_matmul") == 3 and "topk" in ops and plan.temps
+
+
+def test_cuda_and_rocm_say_why_they_cannot_run():
+    np.testing.assert_equal(get_backend("cuda").unavailable_reason() is None, _has_cupy_gpu())
+    for name, words in (("cuda", "no CUDA GPU"), ("rocm", "no ROCm GPU")):
+        reason = get_backend(name).unavailable_reason()
+        if reason:
+            assert words in reason and "cupy" in reason
+            with pytest.raises(BackendUnavailable, match=words):
+                get_backend(name).require()
+
+
+def test_rocm_compile_names_the_missing_toolchain(monkeypatch, tmp_path):
+    from dflash_ir.backends import rocm
+
+    monkeypatch.setattr(rocm, "find_hip", lambda: "HIP toolchain incomplete, missing the ROCm device libraries")
+    with pytest.raises(BackendUnavailable, match="cannot compile for rocm: HIP toolchain incomplete"):
+        get_backend("rocm").compile(case_graph(CASES["neg_odd"].build()), tmp_path)
+
+
+def test_elf_reader_rejects_other_files():
+    with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
+        elf_functions(b"__CLANG_OFFLOAD_BUNDLE__")
+
+
+def _has_cupy_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0 and not cupy.cuda.runtime.is_hip
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("capability, chosen", [("90", "k.sm_90.cubin"), ("86", "k.sm_80.cubin"),
+                                                ("89", "k.sm_89.cubin"), ("100", "k.ptx")])
+def test_cuda_loads_the_cubin_of_the_device(monkeypatch, tmp_path, capability, chosen):
+    """A cubin runs on its major version with an equal or newer minor; anything else JITs the PTX."""
+    import sys
+    import types
+
+    from dflash_ir.backends import cupy_device
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(
+        compute_capability=capability)), RawModule=lambda path: path)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cupy_device, "_module", lambda path: path)
+    entry = {"cubin": {a: f"k.{a}.cubin" for a in ("sm_80", "sm_89", "sm_90")}, "ptx": "k.ptx"}
+    device = get_backend("cuda").device_for(entry, tmp_path)
+    assert device.module == str(tmp_path / chosen)
+
+
+def test_opencl_says_what_to_install(monkeypatch):
+    import sys
+
+    pyopencl = pytest.importorskip("pyopencl")
+    monkeypatch.setattr(pyopencl, "get_platforms", lambda: [])
+    assert "pocl-opencl-icd" in get_backend("opencl").unavailable_reason()
+    monkeypatch.setitem(sys.modules, "pyopencl", None)
+    assert get_backend("opencl").unavailable_reason() == "pyopencl is not installed (pip install pyopencl)"

@@ -19,7 +19,7 @@ import yaml
 
 from . import __version__
 from .errors import ArtifactError
-from .serialize import dump_yaml, load_yaml
+from .serialize import YAML_DUMPER, YAML_LOADER, dump_yaml, load_yaml
 
 FORMAT = "dflash-ir.artifact"
 FORMAT_VERSION = 1
@@ -163,7 +163,7 @@ def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int 
     }
     manifest["files"] = {str(p.relative_to(out)): _sha256(p) for p in sorted(out.rglob("*"))
                          if p.is_file() and p.name != "manifest.yaml"}
-    (out / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    (out / "manifest.yaml").write_text(yaml.dump(manifest, Dumper=YAML_DUMPER, sort_keys=False))
     progress(f"wrote {out}")
     return out
 
@@ -174,7 +174,7 @@ def read_manifest(path) -> dict:
     if not mf.is_file():
         raise ArtifactError(f"{path}: no manifest.yaml: not a dflash-ir artifact (make one with dflash-compile)")
     try:
-        manifest = yaml.safe_load(mf.read_text())
+        manifest = yaml.load(mf.read_text(), Loader=YAML_LOADER)
     except yaml.YAMLError as e:
         raise ArtifactError(f"{mf}: not valid YAML ({e}): the artifact is damaged; recompile it") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

@@ -10,6 +10,10 @@ from .types import parse_type
 
 FORMAT = "dflash-ir.graph/1"
 
+# libyaml's loader/dumper when PyYAML was built with it: artifact graphs are large
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
 
 def _value(v: Value) -> dict[str, str]:
     return {"name": v.name, "type": str(v.type)}
@@ -50,11 +54,11 @@ def graph_from_dict(d: dict[str, Any]) -> Graph:
 
 
 def dump_yaml(g: Graph) -> str:
-    return yaml.safe_dump(graph_to_dict(g), sort_keys=False, width=120)
+    return yaml.dump(graph_to_dict(g), Dumper=YAML_DUMPER, sort_keys=False, width=120)
 
 
 def load_yaml(text: str) -> Graph:
-    return graph_from_dict(yaml.safe_load(text))
+    return graph_from_dict(yaml.load(text, Loader=YAML_LOADER))
 
 
 def _plain(v: Any) -> Any:

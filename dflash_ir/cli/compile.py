@@ -11,7 +11,7 @@ from dflash_ir.errors import DflashError
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CTX, help=f"context size in tokens (default {DEFAULT_CTX})")
-    p.add_argument("--backend", default="auto", help="numpy, or auto (best backend present) (default auto)")
+    p.add_argument("--backend", default="auto", help="numpy, opencl, cuda, rocm, or auto: CUDA with a GPU, else OpenCL, else numpy (default auto)")
     p.add_argument("--spec-draft-n-max", type=int, default=15, help="default number of proposals per round (default 15)")
     p.add_argument("-O", dest="opt_level", type=int, choices=(0, 1, 2), default=None,
                    help="optimisation level: 0 graphs as built, 1 canonicalise, 2 all passes "

@@ -1,7 +1,7 @@
 # The two fresh-machine commands (see README): `make demo` and `make test`.
 PY ?= python3
 
-.PHONY: setup test test-fast demo bench
+.PHONY: setup test test-fast demo bench train-demo
 
 setup:
 	./scripts/setup.sh
@@ -17,3 +17,9 @@ demo: setup
 
 bench: setup
 	$(PY) -m pytest bench -q
+
+# Retrain the shipped demo pair (demo/*.gguf) from scratch, seeded; ~1 h on 2 CPU cores (see train/README.md).
+train-demo:
+	$(PY) -m pip install -e ".[train]"
+	rm -rf build/demo-train
+	nice -n 19 $(PY) -m train.run_all --work build/demo-train

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ir.fixtures import FixtureError, OracleFixtures
+from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +42,21 @@ def oracle_prompts(oracle_dir) -> dict[str, list[int]]:
     import json
 
     return {p["name"]: p["ids"] for p in json.loads((oracle_dir / "prompts.json").read_text())}
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """`get(arch, dtype="f32")` -> (target, draft) paths of a generated tiny random-weight pair
+    (models/generator.py defaults: hidden 64, 4 layers LLLA)."""
+    made = {}
+
+    def get(arch: str, dtype: str = "f32"):
+        if (arch, dtype) not in made:
+            d = tmp_path_factory.mktemp(f"{arch}-{dtype}")
+            tcfg = tiny_target_config(arch)
+            write_target(d / "target.gguf", tcfg, dtype=dtype, seed=1)
+            write_draft(d / "draft.gguf", tiny_draft_config(tcfg), target_cfg=tcfg, dtype=dtype, seed=2)
+            made[arch, dtype] = (d / "target.gguf", d / "draft.gguf")
+        return made[arch, dtype]
+
+    return get

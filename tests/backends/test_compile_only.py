@@ -44,10 +44,10 @@ def test_every_kernel_compiles_for_rocm(hip, every_kernel):
 
 
 @pytest.fixture(scope="module")
-def model_graphs(generated_pair):
+def model_graphs(tiny_pair):
     """The verify and draft-block programs of a generated MoE pair: between them every kind of
     kernel a model launches (the prefill and decode programs hold the same kernels)."""
-    pair = open_pair(*generated_pair("qwen35moe", "q8_0"))
+    pair = open_pair(*tiny_pair("qwen35moe", "q8_0"))
     return [pair.graphs["target.verify"], pair.graphs["draft.block"]]
 
 

@@ -10,8 +10,8 @@ PROMPT = [5, 77, 140, 9, 260, 31, 8]
 
 
 @pytest.mark.parametrize("arch, dtype", [("qwen35", "f16"), ("qwen35moe", "q8_0")])
-def test_speculative_greedy_equals_interpreter(opencl, generated_pair, arch, dtype, tmp_path):
-    target, draft = generated_pair(arch, dtype)
+def test_speculative_greedy_equals_interpreter(opencl, tiny_pair, arch, dtype, tmp_path):
+    target, draft = tiny_pair(arch, dtype)
     engine = load_compiled(compile_pair(target, draft, out=tmp_path / "art", backend="opencl", n_ctx=96),
                            load_tokenizer=False)
     reference = open_engine(target, draft, n_ctx=96)
@@ -22,9 +22,9 @@ def test_speculative_greedy_equals_interpreter(opencl, generated_pair, arch, dty
     assert engine.info["backend"]["name"] == "opencl"
 
 
-def test_second_load_shares_weights_across_programs(opencl, generated_pair, tmp_path):
+def test_second_load_shares_weights_across_programs(opencl, tiny_pair, tmp_path):
     """Prefill, verify and decode of one model read the same weights: uploaded once."""
-    target, _ = generated_pair("qwen35", "f16")
+    target, _ = tiny_pair("qwen35", "f16")
     out = compile_pair(target, None, out=tmp_path / "art", backend="opencl", n_ctx=32)
     engine = load_compiled(out, load_tokenizer=False)
     programs = engine.target.programs

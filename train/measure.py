@@ -23,14 +23,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.measure", description=__doc__.splitlines()[0])
     p.add_argument("-n", "--n-predict", type=int, default=128)
     p.add_argument("--backend", default="numpy")
+    p.add_argument("--pair", type=Path, default=DEMO, help="folder with the pair and prompts.json (default demo/)")
     args = p.parse_args(argv)
     out = ROOT / "build" / f"demo-measure-{args.backend}"
-    compile_pair(DEMO / "coder-target-q8_0.gguf", DEMO / "coder-dflash-q8_0.gguf", out=out, backend=args.backend,
+    compile_pair(args.pair / "coder-target-q8_0.gguf", args.pair / "coder-dflash-q8_0.gguf", out=out, backend=args.backend,
                  n_ctx=512)
     engine = load_compiled(out)
     rows, hist = [], Counter()
     spec_tok = spec_s = plain_tok = plain_s = 0.0
-    for prompt in json.loads((DEMO / "prompts.json").read_text()):
+    for prompt in json.loads((args.pair / "prompts.json").read_text()):
         spec = engine.generate(prompt["text"], max_tokens=args.n_predict, ignore_eos=True)
         plain = engine.generate(prompt["text"], max_tokens=args.n_predict, ignore_eos=True, speculative=False)
         s, t = spec.stats, plain.stats
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         "speedup": round((spec_tok / spec_s) / (plain_tok / plain_s), 2),
         "all_identical": all(r["identical"] for r in rows), "prompts": rows,
     }
-    (DEMO / "measurements.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (args.pair / "measurements.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "prompts"}, indent=1))
     return 0
 

@@ -152,12 +152,11 @@ def stage_draft(work: Path) -> None:
     torch.save({"hp": hp.to_dict(), "state": draft.own_state(), "seconds": secs}, work / "draft.pt")
 
 
-def stage_export(work: Path) -> None:
+def stage_export(work: Path, out: Path) -> None:
     meta = json.loads((work / "tokenizer.json").read_text())
     target = load_target(work)
     state = {k: v.numpy() for k, v in target.state_dict().items()}
-    out = ROOT / "demo"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     export.write_target(out / "coder-target-q8_0.gguf", state, target.hp.to_dict(), tokenizer=meta)
     ck = torch.load(work / "draft.pt")
     dstate = {k: v.numpy() for k, v in ck["state"].items()}
@@ -175,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=ROOT / "build" / "demo-train")
     p.add_argument("--stage", choices=list(STAGES), action="append", help="run only these stages")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "demo", help="where export writes the pair (default demo/)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         log(f"{name}: start")
-        run(args.work)
+        run(args.work, args.out) if name == "export" else run(args.work)
         timings[name] = round(time.perf_counter() - t0, 1)
         timings_path.write_text(json.dumps(timings, indent=1))
         log(f"{name}: done in {timings[name]:.0f}s")

@@ -81,7 +81,7 @@ _MERGES = [
     (b"us", b"er"),
 ]
 # Qwen's special tokens (CONTROL) and think tags (USER_DEFINED: added but not special), plus a mask token.
-_SPECIALS = {
+SPECIAL_TOKENS = {
     "<|endoftext|>": TokenType.CONTROL,
     "<|im_start|>": TokenType.CONTROL,
     "<|im_end|>": TokenType.CONTROL,
@@ -89,12 +89,12 @@ _SPECIALS = {
     "</think>": TokenType.USER_DEFINED,
     "<|MASK|>": TokenType.CONTROL,
 }
-TINY_SPECIAL_IDS = {text: 256 + len(_MERGES) + i for i, text in enumerate(_SPECIALS)}
+TINY_SPECIAL_IDS = {text: 256 + len(_MERGES) + i for i, text in enumerate(SPECIAL_TOKENS)}
 TINY_MASK_ID = TINY_SPECIAL_IDS["<|MASK|>"]
-TINY_MIN_VOCAB = 256 + len(_MERGES) + len(_SPECIALS)
+TINY_MIN_VOCAB = 256 + len(_MERGES) + len(SPECIAL_TOKENS)
 
 # ChatML with Qwen3.5's generation prompt (thinking on unless enable_thinking is false).
-TINY_CHAT_TEMPLATE = (
+CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
@@ -121,8 +121,8 @@ def tiny_vocab(vocab_size: int) -> dict[str, Any]:
     def text(b: bytes) -> str:
         return "".join(BYTE_TO_UNICODE[c] for c in b)
 
-    tokens = [*BYTE_TO_UNICODE.values(), *(text(a + b) for a, b in _MERGES), *_SPECIALS]
-    types = [TokenType.NORMAL] * (256 + len(_MERGES)) + list(_SPECIALS.values())
+    tokens = [*BYTE_TO_UNICODE.values(), *(text(a + b) for a, b in _MERGES), *SPECIAL_TOKENS]
+    types = [TokenType.NORMAL] * (256 + len(_MERGES)) + list(SPECIAL_TOKENS.values())
     tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
     types += [TokenType.UNUSED] * (vocab_size - len(types))
     return {
@@ -134,7 +134,7 @@ def tiny_vocab(vocab_size: int) -> dict[str, Any]:
         "tokenizer.ggml.eos_token_id": TINY_SPECIAL_IDS["<|im_end|>"],
         "tokenizer.ggml.padding_token_id": TINY_SPECIAL_IDS["<|endoftext|>"],
         "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": TINY_CHAT_TEMPLATE,
+        "tokenizer.chat_template": CHATML_TEMPLATE,
     }
 
 

@@ -12,33 +12,11 @@ from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from dflash_ir.models.generator import CHATML_TEMPLATE as CHAT_TEMPLATE
+from dflash_ir.models.generator import SPECIAL_TOKENS as SPECIALS
 from dflash_ir.models.tokenizer import PRE_TOKENIZER_REGEX, TokenType
 
-# Qwen's control tokens, its think tags (USER_DEFINED: matched even without parse_special) and the DFlash mask.
-SPECIALS = {
-    "<|endoftext|>": TokenType.CONTROL,
-    "<|im_start|>": TokenType.CONTROL,
-    "<|im_end|>": TokenType.CONTROL,
-    "<think>": TokenType.USER_DEFINED,
-    "</think>": TokenType.USER_DEFINED,
-    "<|MASK|>": TokenType.CONTROL,
-}
 MASK = "<|MASK|>"
-
-# ChatML with Qwen3.5's generation prompt: thinking on unless enable_thinking is false.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}"
-    "{{- '<think>\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> dict[str, Any]:

@@ -41,8 +41,8 @@ def test_compile_writes_a_manifest_that_pins_everything(artifact, pair):
     assert set(m["programs"]) == {"target.prefill", "target.verify", "target.decode", "draft.inject", "draft.block"}
     assert m["sources"]["target"]["size"] == pair[0].stat().st_size and len(m["sources"]["draft"]["sha256"]) == 64
     assert set(m["files"]) == {f"graphs/{name}.yaml" for name in m["programs"]}
-    assert m["config"]["n_ctx"] == 64 and m["config"]["taps"] == list(m["config"]["draft"]["target_layers"][i] - 1
-                                                                        for i in range(len(m["config"]["taps"])))
+    assert m["config"]["n_ctx"] == 64  # taps are HF layer ids: llama.cpp's stored ids minus one
+    assert m["config"]["taps"] == [t - 1 for t in m["config"]["draft"]["target_layers"]]
 
 
 def test_loaded_artifact_generates_like_the_direct_engine(artifact, pair):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .target import MLP, Target, rms, rope
+from .target import MLP, RMSNorm, Target, rope
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,6 @@ def hf_config(hp: dict, n_target_layers: int) -> dict:
         "rms_norm_eps": hp["rms_eps"], "rope_theta": hp["rope_theta"],
         "max_position_embeddings": hp["context_length"], "tie_word_embeddings": False,
     }
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms(x, self.eps) * self.weight
 
 
 class Attention(nn.Module):

@@ -49,16 +49,18 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class CenteredRMSNorm(nn.Module):
-    """Qwen3.5's `x * (1 + w)` norm, weight initialised to 0 (the GGUF stores 1 + w)."""
+class RMSNorm(nn.Module):
+    """RMSNorm times `w` (DFlash drafts) or, centered, Qwen3.5's `1 + w` with w starting at 0
+    (the GGUF stores 1 + w)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, *, centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if centered else torch.ones(dim))
         self.eps = eps
+        self.centered = centered
 
     def forward(self, x):
-        return rms(x, self.eps) * (1 + self.weight)
+        return rms(x, self.eps) * (1 + self.weight if self.centered else self.weight)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, n_rot: int, theta: float) -> torch.Tensor:
@@ -80,8 +82,8 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(H, hp.n_head_kv * D, bias=False)
         self.v_proj = nn.Linear(H, hp.n_head_kv * D, bias=False)
         self.o_proj = nn.Linear(hp.n_head * D, H, bias=False)
-        self.q_norm = CenteredRMSNorm(D, hp.rms_eps)
-        self.k_norm = CenteredRMSNorm(D, hp.rms_eps)
+        self.q_norm = RMSNorm(D, hp.rms_eps, centered=True)
+        self.k_norm = RMSNorm(D, hp.rms_eps, centered=True)
 
     def forward(self, x, positions, cache: dict | None):
         hp = self.hp
@@ -194,9 +196,9 @@ class Layer(nn.Module):
     def __init__(self, hp: TargetHParams, i: int):
         super().__init__()
         self.recurrent = hp.is_recurrent(i)
-        self.input_layernorm = CenteredRMSNorm(hp.hidden, hp.rms_eps)
+        self.input_layernorm = RMSNorm(hp.hidden, hp.rms_eps, centered=True)
         self.mixer = GatedDeltaNet(hp) if self.recurrent else GatedAttention(hp)
-        self.post_attention_layernorm = CenteredRMSNorm(hp.hidden, hp.rms_eps)
+        self.post_attention_layernorm = RMSNorm(hp.hidden, hp.rms_eps, centered=True)
         self.mlp = MLP(hp.hidden, hp.ff)
 
     def forward(self, h, positions, cache):
@@ -213,7 +215,7 @@ class Target(nn.Module):
         self.hp = hp
         self.embed_tokens = nn.Embedding(hp.vocab_size, hp.hidden)
         self.layers = nn.ModuleList(Layer(hp, i) for i in range(hp.n_layer))
-        self.norm = CenteredRMSNorm(hp.hidden, hp.rms_eps)
+        self.norm = RMSNorm(hp.hidden, hp.rms_eps, centered=True)
         self.apply(self._init)
 
     @staticmethod

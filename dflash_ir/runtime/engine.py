@@ -43,6 +43,7 @@ class Engine:
         self.n_max = n_max
         self.info = info or {}
         self.last_stats: GenerationStats | None = None
+        self.last_rounds: list[dict] = []  # per round of the last generation: anchor_pos, anchor, proposals, accepted
 
     @property
     def n_ctx(self) -> int:
@@ -85,7 +86,7 @@ class Engine:
 
     def _finish(self, tokens: list[int]) -> Generation:
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-        return Generation(tokens, text, self._stats, self._rounds)
+        return Generation(tokens, text, self.last_stats, self.last_rounds)
 
     def iter_tokens(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
                     sampling: SamplingParams = SamplingParams(), speculative: bool = True, n_max: int | None = None,
@@ -103,7 +104,7 @@ class Engine:
         if speculative and not 1 <= n_max < self.draft.block_size:
             raise ValueError(f"n_max must be in 1..{self.draft.block_size - 1} (block size {self.draft.block_size}), got {n_max}")
         stats = GenerationStats(mode="speculative" if speculative else "target-only", prompt_tokens=len(ids))
-        self._stats, self._rounds, self.last_stats = stats, [], stats
+        self.last_stats, self.last_rounds = stats, []
         sampler = Sampler(sampling)
         stop_ids = set() if ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
         stopper = _Stopper(self.tokenizer, stop_ids, stop, max_tokens, stats)
@@ -138,7 +139,7 @@ class Engine:
                 with stats.timed("rollback"):
                     self.target.commit(accepted + 1)
                 stats.record_round(len(proposals), accepted)
-                self._rounds.append({"anchor_pos": start, "anchor": token, "proposals": proposals, "accepted": accepted})
+                self.last_rounds.append({"anchor_pos": start, "anchor": token, "proposals": proposals, "accepted": accepted})
                 features = out.features[:accepted + 1] if out.features is not None else None
                 new = [*proposals[:accepted], bonus]
             else:

@@ -10,6 +10,8 @@ arrays; the runtime only indexes and passes them back.
 """
 from __future__ import annotations
 
+import importlib
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -48,6 +50,19 @@ class Backend(ABC):
     def device_description(self) -> str:
         return "host CPU"
 
+    def device_is_cpu(self) -> bool:
+        """Whether the device kernels run on is a CPU (PoCL, lavapipe) rather than a GPU."""
+        return False
+
+    def profile(self) -> str:
+        """The device class kernels are scheduled for (lowering.PROFILES): $DFLASH_IR_PROFILE
+        if set, else the device's; "gpu" with no device here (an artifact compiled without a
+        device is meant for a GPU)."""
+        forced = os.environ.get("DFLASH_IR_PROFILE")
+        if forced:
+            return forced
+        return "cpu" if self.unavailable_reason() is None and self.device_is_cpu() else "gpu"
+
     @abstractmethod
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         """Write the program's files under out_dir; return its manifest entry (paths relative to out_dir)."""
@@ -65,8 +80,13 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
+# modules that register a backend when imported
+BACKEND_MODULES = ("numpy_backend", "opencl", "cuda", "rocm", "vulkan", "tvm.backend")
+
+
 def _register_all() -> None:
-    from . import cuda, numpy_backend, opencl, rocm  # noqa: F401  (each registers itself)
+    for module in BACKEND_MODULES:
+        importlib.import_module(f"{__package__}.{module}")
 
 
 def get_backend(name: str) -> Backend:

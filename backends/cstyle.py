@@ -1,24 +1,35 @@
 """One C-style renderer for OpenCL C, CUDA C++ and HIP (tinygrad's CStyleLanguage idea).
 
 Kernels are written once, as a body in a dialect-neutral C subset, by the builders in
-`backends/kernels/`. That subset spells everything that differs between the dialects with
-a small vocabulary, and a `Dialect` subclass supplies its meaning as class-attribute knobs:
+`backends/kernels/`. The subset is also what `glsl.py` renders for Vulkan, so it has no
+pointers and no C casts: a buffer is only indexed (`x[i]`, a "row" is an offset variable),
+buffers of 8/16-bit elements are only read and written through macros, and conversions are
+macros. A `Dialect` subclass supplies the vocabulary's meaning as class-attribute knobs:
 
     KERNEL signature        kernel qualifier, buffer qualifier, `restrict`, launch bounds
-    GLOBAL / LOCAL          address spaces (pointer casts, work-group shared arrays)
+    LOCAL                   a work-group shared array, declared at the top level of a body
     GID(d) LID(d)           work-group and work-item ids; BARRIER() a work-group barrier
-    DEVICE                  qualifier of helper functions
-    i8 u8 u16 u32 i64       fixed-width integer types
-    HALF_TO_FLOAT(p)        f32 value of the f16 at u16 pointer p (2-byte aligned)
-    STORE_HALF(p, v)        round v to f16 (nearest even) and store it at u16 pointer p
+    DEVICE                  qualifier of helper functions (they take values, never buffers)
+    i64 u32                 integer variable types besides int (i64 holds buffer offsets)
+    F32(x) I32(x) I64(x) U32(x)   conversions; I8(x) the low byte of int x, sign-extended
+    LD_U8(b, i) LD_I8(b, i) int value of byte i of a u8 buffer, zero- / sign-extended
+    LD_U16(b, i)            int value of element i of a u16 buffer
+    LD_U16_BYTE(b, o)       int value of the u16 at even byte offset o of a u8 buffer
+    ST_U8(b, i, v) ST_U16(b, i, v)   store the low bits of int v (a statement)
+    HALF_AT(b, i)           f32 value of f16 element i of a u16 buffer
+    HALF_AT_BYTE(b, o)      f32 value of the f16 at even byte offset o of a u8 buffer
+    STORE_HALF(b, i, v)     round v to f16 (nearest even) into element i of a u16 buffer
     BITS_TO_FLOAT(u)        reinterpret a u32 as f32 (bf16 is its high half)
     ROUND_HALF(v)           v rounded to f16 (nearest even), as f32
-    DOT4_I8(a, b, acc)      acc + dot of the four signed bytes of a and b
+    DOT4_I8(a, b, acc)      acc + dot of the four signed bytes of ints a and b
+    BF16_AT(b, i) Q8_0_AT(b, row, i)   weight reads, defined once from the above (DERIVED)
     expf logf log1pf sqrtf cosf sinf fabsf fmaxf fminf roundf, INFINITY   (C99 float names)
 
-A rendered module is prelude + shared helper functions + kernels; only the prelude and
-the kernel signatures differ between dialects, so the kernels that run on PoCL in CI are
-the kernels that compile to cubin and HSACO.
+Variables are int, float, bool, i64 or u32 (i8 u8 u16 only name buffer element types), and
+names avoid GLSL built-in functions (`dot`, `step`, ...); glsl.py renames GLSL keywords such
+as `out`. A rendered module is prelude + shared helper functions + kernels; only the
+prelude and the kernel signatures differ between dialects, so the kernels that run on PoCL
+in CI are the kernels that compile to cubin and HSACO (and, rendered by glsl.py, to SPIR-V).
 """
 from __future__ import annotations
 
@@ -27,17 +38,29 @@ from dataclasses import dataclass
 
 # Device helpers every module carries, written in the neutral subset.
 HELPERS = """
-DEVICE float q8_0_at(GLOBAL const u8* row, int i) {
-  GLOBAL const u8* block = row + (i >> 5) * 34;
-  return HALF_TO_FLOAT((GLOBAL const u16*)block) * (float)(i8)block[2 + (i & 31)];
-}
-DEVICE float bf16_at(GLOBAL const u16* p, i64 i) { return BITS_TO_FLOAT(((u32)p[i]) << 16); }
 DEVICE float sigmoid_f32(float x) {
   float e = expf(-fabsf(x));
   return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 DEVICE float softplus_f32(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
 """
+
+# Vocabulary defined from the dialect macros, the same text for every dialect. A Q8_0 block
+# is an fp16 scale d then 32 int8 quants (34 bytes); `row` is the byte offset of a row.
+DERIVED = {
+    "BF16_AT(b, i)": "BITS_TO_FLOAT(U32(LD_U16(b, i)) << 16)",
+    "Q8_0_AT(b, row, i)": "(HALF_AT_BYTE(b, (row) + ((i) >> 5) * 34) * "
+                          "F32(LD_I8(b, (row) + ((i) >> 5) * 34 + 2 + ((i) & 31))))",
+}
+
+# The conversions and narrow-buffer accesses of the C dialects: plain casts and indexing.
+C_MACROS = {
+    "F32(x)": "((float)(x))", "I32(x)": "((int)(x))", "I64(x)": "((i64)(x))", "U32(x)": "((u32)(x))",
+    "I8(x)": "((int)(i8)(x))",
+    "LD_U8(b, i)": "((int)(b)[i])", "LD_I8(b, i)": "((int)(i8)(b)[i])", "LD_U16(b, i)": "((int)(b)[i])",
+    "LD_U16_BYTE(b, o)": "((int)*(GLOBAL const u16*)((b) + (o)))",
+    "ST_U8(b, i, v)": "((b)[i] = (u8)(v))", "ST_U16(b, i, v)": "((b)[i] = (u16)(v))",
+}
 
 
 @dataclass(frozen=True)
@@ -83,7 +106,7 @@ class Dialect:
     macros: dict[str, str] = {}
 
     def prelude(self) -> str:
-        defs = "\n".join(f"#define {k} {v}" for k, v in self.macros.items())
+        defs = "\n".join(f"#define {k} {v}" for k, v in {**C_MACROS, **self.macros, **DERIVED}.items())
         return f"{self.includes}\n{defs}\n"
 
     def signature(self, k: Kernel) -> str:
@@ -122,8 +145,9 @@ class OpenCLDialect(Dialect):
         "GID(d)": "((int)get_group_id(d))", "LID(d)": "((int)get_local_id(d))",
         "BARRIER()": "barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE)",
         "i8": "char", "u8": "uchar", "u16": "ushort", "u32": "uint", "i64": "long",
-        "HALF_TO_FLOAT(p)": "vload_half(0, (__global const half*)(p))",
-        "STORE_HALF(p, v)": "vstore_half_rte((v), 0, (__global half*)(p))",
+        "HALF_AT(b, i)": "vload_half((i), (__global const half*)(b))",
+        "HALF_AT_BYTE(b, o)": "vload_half(0, (__global const half*)((b) + (o)))",
+        "STORE_HALF(b, i, v)": "vstore_half_rte((v), (i), (__global half*)(b))",
         "BITS_TO_FLOAT(u)": "as_float(u)",
         "ROUND_HALF(v)": "round_half_portable(v)",
         "DOT4_I8(a, b, acc)": "((acc) + dot4_i8_portable((a), (b)))",
@@ -152,8 +176,9 @@ class _CudaLike(Dialect):
         "BARRIER()": "__syncthreads()",
         "i8": "signed char", "u8": "unsigned char", "u16": "unsigned short", "u32": "unsigned int",
         "i64": "long long",
-        "HALF_TO_FLOAT(p)": "__half2float(*(const __half*)(p))",
-        "STORE_HALF(p, v)": "(*(__half*)(p) = __float2half_rn(v))",
+        "HALF_AT(b, i)": "__half2float(((const __half*)(b))[i])",
+        "HALF_AT_BYTE(b, o)": "__half2float(*(const __half*)((b) + (o)))",
+        "STORE_HALF(b, i, v)": "(((__half*)(b))[i] = __float2half_rn(v))",
         "BITS_TO_FLOAT(u)": "__uint_as_float(u)",
         "ROUND_HALF(v)": "__half2float(__float2half_rn(v))",
     }

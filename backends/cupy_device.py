@@ -34,6 +34,9 @@ class CupyDevice:
     def download(self, buf, array: np.ndarray) -> None:
         buf.data.copy_to_host(array.ctypes.data_as(ctypes.c_void_p), array.nbytes)
 
+    def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
+        dst[dst_offset:dst_offset + nbytes] = src[src_offset:src_offset + nbytes]
+
     def launch(self, kernel: str, groups, local, args) -> None:
         if kernel not in self.kernels:
             self.kernels[kernel] = self.module.get_function(kernel)

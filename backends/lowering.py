@@ -10,6 +10,11 @@ become int parameters automatically. Besides kernels, lowering decides
   (a KV cache that is only read through the written copy);
 - temporaries: a fused op may be lowered as a sequence of other ops' kernels (`sub`),
   whose intermediate values get buffers that live for that node only.
+
+A plan is lowered for a device class, `profile`: "gpu" (thousands of threads, coalesced
+loads, work-group reductions) or "cpu" (OpenCL on PoCL, Vulkan on lavapipe: a few cores
+that vectorise one work-item's loop). Builders whose best schedule differs read
+`ctx.profile`; the kernels of either profile are correct on any device.
 """
 from __future__ import annotations
 
@@ -27,42 +32,49 @@ from .plan import Check, Launch, Plan, Step, compile_expr, symbol_param
 CTYPES = {DType.F32: "float", DType.F16: "u16", DType.BF16: "u16", DType.Q8_0: "u8", DType.I32: "int",
           DType.I64: "i64", DType.BOOL: "u8"}
 
-LOWERINGS: dict[str, Callable[["NodeCtx"], None]] = {}
+LOWERINGS: dict[str, Callable[["NodeCtx"], None]] = {}  # op -> C-style kernel builder
+PROFILES = ("gpu", "cpu")
 
 
 class LoweringError(NotImplementedError):
     """No kernel exists for a node (op, dtype or attribute combination)."""
 
 
-def lowers(*ops: str):
-    def deco(fn):
-        for op in ops:
-            LOWERINGS[op] = fn
-        return fn
-    return deco
+def registrar(registry: dict[str, Callable]):
+    """A `lowers(*ops)` decorator registering a kernel builder for ops in `registry`."""
+    def lowers(*ops: str):
+        def deco(fn):
+            for op in ops:
+                registry[op] = fn
+            return fn
+        return deco
+    return lowers
 
 
-class NodeCtx:
-    def __init__(self, lowering: "_Lowering", index: int, node: Node):
+lowers = registrar(LOWERINGS)
+
+
+class NodeCtxBase:
+    """What a kernel builder sees of its node, and the lowering decisions every kind of kernel
+    shares (temporaries, parts of fused ops, views, in-place writes, host checks). A subclass
+    adds the way it makes kernels and names its builder registry."""
+
+    what = "kernel"  # for error messages: what a node without a builder lacks
+
+    @classmethod
+    def builders(cls) -> dict[str, Callable]:
+        raise NotImplementedError
+
+    def __init__(self, lowering: "Lowering", index: int, node: Node):
         self._l = lowering
         self.index = index
         self.node = node
         self.attr = node.attr
+        self.profile = lowering.profile
         self.ins: list[Value] = [lowering.values[x] for x in node.inputs]
         self.outs: list[Value] = list(node.outputs)
         self.launches: list[Launch] = []
         self.temps: list[str] = []
-
-    def launch(self, op: str, body: str, *, buffers: Sequence[tuple[str, Value, bool]], groups: Iterable[str],
-               local: Sequence[int] = (256, 1, 1), when: str | None = None) -> None:
-        """Add a kernel launch: `buffers` are (param name, value, written?) in parameter order."""
-        local = tuple(local) + (1,) * (3 - len(local))
-        groups = tuple(_fold(g) for g in groups) + ("1",) * (3 - len(tuple(groups)))
-        ints = tuple(p for p in self._l.symbol_params if re.search(rf"\b{p}\b", body))
-        params = tuple(Buffer(name, CTYPES[v.type.dtype], writes) for name, v, writes in buffers)
-        kernel = Kernel.make(op, params, ints, local, body)
-        self._l.plan.kernels.setdefault(kernel.name, kernel)
-        self.launches.append(Launch(kernel.name, tuple(v.name for _, v, _ in buffers), ints, groups, local, when))
 
     def temp(self, t: TensorType) -> Value:
         """A value that lives during this node only (an intermediate of a fused op)."""
@@ -77,9 +89,9 @@ class NodeCtx:
         returns the output value, or a tuple of them."""
         if outputs is None:
             outputs = [self.temp(t) for t in get_op(op).output_types([v.type for v in inputs], attrs)]
-        child = NodeCtx(self._l, self.index, Node.make(op, [v.name for v in inputs], outputs, attrs))
+        child = type(self)(self._l, self.index, Node.make(op, [v.name for v in inputs], outputs, attrs))
         child.launches, child.temps = self.launches, self.temps
-        LOWERINGS[op](child)
+        self._l.builder(op, self.index)(child)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def alias(self, out: Value, of: Value) -> None:
@@ -100,14 +112,64 @@ class NodeCtx:
             self._l.plan.checks.append(check)
 
 
+def attention_prologue(ctx: NodeCtxBase) -> tuple[Value, Value]:
+    """q and k of a fused_attention node after their rmsnorm and rope (q without its gate half)."""
+    q, k, _, q_norm, k_norm, positions = ctx.ins[:6]
+    a = ctx.attr
+    rope = {n: a[n] for n in ("n_rot", "theta", "sections", "interleaved") if n in a}
+    q_part = ctx.sub("slice", q, axis=2, start=0, stop=k.type.shape[2]) if a.get("gated") else q
+    return tuple(ctx.sub("rope", ctx.sub("rmsnorm", x, norm, eps=a["eps"]), positions, **rope)
+                 for x, norm in ((q_part, q_norm), (k, k_norm)))
+
+
+def attention_epilogue(ctx: NodeCtxBase, o: Value) -> None:
+    """The fused_attention output: o (rows, heads, dv) flattened, times sigmoid(gate) when gated."""
+    q, k = ctx.ins[:2]
+    rows, heads, dv = o.type.shape
+    flat = ctx.sub("reshape", o, shape=(rows, heads * dv))
+    if ctx.attr.get("gated"):
+        gate = ctx.sub("reshape", ctx.sub("slice", q, axis=2, start=k.type.shape[2]), shape=(rows, heads * dv))
+        ctx.sub("sigmoid_gate", flat, gate, outputs=[ctx.outs[0]])
+    else:
+        ctx.alias(ctx.outs[0], flat)
+
+
+class NodeCtx(NodeCtxBase):
+    """Builders of C-style kernels (backends/kernels/*.py, registered with `lowers`)."""
+
+    @classmethod
+    def builders(cls) -> dict[str, Callable]:
+        from . import kernels  # noqa: F401  (registers the builders)
+
+        return LOWERINGS
+
+    def launch(self, op: str, body: str, *, buffers: Sequence[tuple[str, Value, bool]], groups: Iterable[str],
+               local: Sequence[int] = (256, 1, 1), when: str | None = None) -> None:
+        """Add a kernel launch: `buffers` are (param name, value, written?) in parameter order."""
+        local = tuple(local) + (1,) * (3 - len(local))
+        groups = tuple(_fold(g) for g in groups) + ("1",) * (3 - len(tuple(groups)))
+        ints = tuple(p for p in self._l.symbol_params if re.search(rf"\b{p}\b", body))
+        params = tuple(Buffer(name, CTYPES[v.type.dtype], writes) for name, v, writes in buffers)
+        kernel = Kernel.make(op, params, ints, local, body)
+        self._l.plan.kernels.setdefault(kernel.name, kernel)
+        self.launches.append(Launch(kernel.name, tuple(v.name for _, v, _ in buffers), ints, groups, local, when))
+
+
 def _fold(expr: str) -> str:
     """A size expression without symbols as its value ("cdiv(64, 256)" -> "1")."""
     return expr if re.search(r"\bn_", expr) else str(compile_expr(expr)({}))
 
 
-class _Lowering:
-    def __init__(self, graph: Graph):
+class Lowering:
+    """One graph lowered node by node with the builders of `ctx_class`; the kernels they make
+    are collected in plan.kernels (compile time only)."""
+
+    def __init__(self, graph: Graph, profile: str, ctx_class: type[NodeCtxBase]):
+        if profile not in PROFILES:
+            raise ValueError(f"unknown device profile {profile!r}; known: {', '.join(PROFILES)}")
         self.graph = graph
+        self.profile = profile
+        self.ctx_class = ctx_class
         self.values = graph.values()
         self.plan = Plan(graph.name)
         self.symbol_params = sorted(symbol_param(s) for s in graph.symbols)
@@ -121,6 +183,12 @@ class _Lowering:
             for x in n.inputs:
                 self.last_use[x] = max(self.last_use.get(x, -1), i)
 
+    def builder(self, op: str, index: int) -> Callable:
+        builders = self.ctx_class.builders()
+        if op not in builders:
+            raise LoweringError(f"{self.graph.name}: no {self.ctx_class.what} for op {op!r} (node {index})")
+        return builders[op]
+
     def root(self, name: str) -> str:
         return self.plan.aliases.get(name, name)
 
@@ -132,20 +200,17 @@ class _Lowering:
         return root not in self.plan.temps and all(self.last_use.get(v, -1) <= index for v in group)
 
     def run(self) -> Plan:
-        from . import kernels  # noqa: F401  (registers the builders)
-
         for i, node in enumerate(self.graph.nodes):
-            if node.op not in LOWERINGS:
-                raise LoweringError(f"{self.graph.name}: no kernel for op {node.op!r} (node {i})")
-            ctx = NodeCtx(self, i, node)
-            LOWERINGS[node.op](ctx)
-            constant = bool(node.inputs) and all(x in self.constant for x in node.inputs)
+            ctx = self.ctx_class(self, i, node)
+            self.builder(node.op, i)(ctx)
+            constant = bool(node.inputs) and all(x in self.constant for x in node.inputs)  # runs once, at load
             if constant:
                 self.constant.update(v.name for v in node.outputs)
             self.plan.steps.append(Step(i, tuple(ctx.launches), constant, tuple(ctx.temps)))
         return self.plan
 
 
-def lower(graph: Graph) -> Plan:
-    """The launch plan of `graph` (raises LoweringError naming the first node without a kernel)."""
-    return _Lowering(graph).run()
+def lower(graph: Graph, profile: str = "gpu") -> Plan:
+    """The launch plan of `graph` for a device class (raises LoweringError naming the first
+    node without a kernel)."""
+    return Lowering(graph, profile, NodeCtx).run()

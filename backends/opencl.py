@@ -99,6 +99,9 @@ class CLDevice:
     def download(self, buf, array: np.ndarray) -> None:
         self._cl.enqueue_copy(self.queue, array, buf)
 
+    def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
+        self._cl.enqueue_copy(self.queue, dst, src, byte_count=nbytes, src_offset=src_offset, dst_offset=dst_offset)
+
     def launch(self, kernel: str, groups, local, args) -> None:
         k = _LIBRARY.kernel(kernel)
         k.set_args(*args)
@@ -129,10 +132,16 @@ class OpenCLBackend(CompiledBackend):
         _, _, device = _context()
         return f"{device.name.strip()} ({device.platform.name.strip()}, {device.version.strip()})"
 
+    def device_is_cpu(self) -> bool:
+        import pyopencl as cl
+
+        return bool(_context()[2].type & cl.device_type.CPU)
+
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         """One file per kernel plus the header; the graph's kernels are built when an OpenCL
         device is present, so a kernel the device rejects fails at compile time."""
-        plan = lower(graph)
+        profile = self.profile()
+        plan = lower(graph, profile)
         dialect = DIALECTS[self.dialect]
         folder = Path(out_dir) / "kernels" / "opencl"
         folder.mkdir(parents=True, exist_ok=True)
@@ -144,7 +153,7 @@ class OpenCLBackend(CompiledBackend):
         if self.unavailable_reason() is None:
             _LIBRARY.add(dialect.module_header(), {n: dialect.kernel_source(k) for n, k in plan.kernels.items()})
             _LIBRARY.build_pending()
-        return {"dialect": self.dialect, "sources": "kernels/opencl", "plan": plan.to_dict()}
+        return {"dialect": self.dialect, "profile": profile, "sources": "kernels/opencl", "plan": plan.to_dict()}
 
     def device_for(self, entry: Mapping[str, Any], artifact_dir: Path) -> CLDevice:
         folder = artifact_dir / entry["sources"]

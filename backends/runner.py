@@ -3,11 +3,17 @@ for all of them. A device only has to allocate, copy and launch (tinygrad's Allo
 Program split); binding, memory planning, host checks and launch order live here.
 
 Per call: symbols are bound from the input and state shapes, inputs and states are copied
-to the device, the steps launch in order, outputs and state updates are copied back.
+to the device, the steps launch in order, outputs are copied back. On a device that can copy
+between its buffers, states stay there: updated states (and the per-row states a verify
+writes for rollback, graph meta "row_states") come back as `DeviceArray`s, which the
+runtime indexes and passes back in, so a decode or verify round moves no state through the
+host; `np.asarray` reads one when asked.
 Weights are uploaded once, and steps that depend on weights only (e.g. dequantising a
 weight) run once at load; both are shared by every program of one load through `Resident`.
 Activation buffers are planned per set of symbol values by liveness (a buffer is reused
-once its last reader has run) and kept for the next call with the same sizes.
+once its last reader has run) and kept for the next call with the same sizes, together with
+the call's launch list (kernels, grid sizes, arguments all worked out): a decode or verify
+call with sizes seen before replays that list without evaluating a size expression.
 """
 from __future__ import annotations
 
@@ -31,6 +37,49 @@ class Device(Protocol):
     def upload(self, buf: Any, array: np.ndarray) -> None: ...
     def download(self, buf: Any, array: np.ndarray) -> None: ...
     def launch(self, kernel: str, groups: tuple[int, ...], local: tuple[int, ...], args: list) -> None: ...
+    # optional: `copy(src, src_offset, dst, dst_offset, nbytes)` between buffers, in queue order;
+    # a device that has it keeps states on the device between calls
+
+
+class DeviceArray:
+    """A state that stays in a device buffer between calls (bytes from `offset`). The runtime
+    only indexes its first axis (a per-row state) and passes it back as a state; any other
+    use reads it to the host first (`np.asarray`)."""
+
+    def __init__(self, device, buffer, shape: tuple[int, ...], dtype: np.dtype, offset: int = 0):
+        self.device, self.buffer, self.offset = device, buffer, offset
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, i: int) -> "DeviceArray":
+        if not isinstance(i, (int, np.integer)) or not -len(self) <= i < len(self):
+            raise IndexError(f"DeviceArray supports one in-range int index on its first axis, got {i!r}")
+        row = DeviceArray(self.device, self.buffer, self.shape[1:], self.dtype)
+        row.offset = self.offset + (int(i) % len(self)) * row.nbytes
+        return row
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        if out.size:
+            source = self.buffer
+            if self.offset:
+                source = self.device.alloc(max(4, self.nbytes))
+                self.device.copy(self.buffer, self.offset, source, 0, self.nbytes)
+            self.device.download(source, out)
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"DeviceArray({self.dtype}{list(self.shape)})"
 
 
 class Resident:
@@ -48,12 +97,17 @@ class DeviceProgram:
         self.device = device
         self.values = {**graph.values(), **{n: Value(n, parse_type(t)) for n, t in plan.temps.items()}}
         self._exprs: dict[str, Callable] = {}
-        self._memory: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
+        self._memory: OrderedDict[tuple, _Sized] = OrderedDict()
         self._root = lambda name: plan.aliases.get(name, name)
         self._keys = self._constant_keys(weights)
         self._resident = {w.value.name: self._weight(w, weights, resident) for w in graph.weights}
         self._run_constant_steps(resident)
-        self._kept = {self._root(v) for _, v in graph.outputs} | {self._root(s.update) for s in graph.states if s.update}
+        # outputs, state updates, and the states' own buffers (which a caller's DeviceArray may
+        # point into until the next call has copied it in) are never reused within a call
+        self._kept = ({self._root(v) for _, v in graph.outputs} | {self._root(s.update) for s in graph.states if s.update}
+                      | {s.value.name for s in graph.states})
+        self._keeps_states = callable(getattr(device, "copy", None))
+        self._row_states = {v for _, v in graph.meta_dict.get("row_states", ())}
         self._last_use: dict[str, int] = {}
         for i, step in enumerate(plan.steps):
             for x in graph.nodes[step.node].inputs:
@@ -111,12 +165,14 @@ class DeviceProgram:
             for v in values:
                 if v.name not in given:
                     raise BindError(f"{self.graph.name}: missing {what} {v.name!r} ({v.type})")
-                arr = np.asarray(given[v.name])
+                arr = given[v.name]
+                if not (isinstance(arr, DeviceArray) and arr.device is self.device):
+                    arr = np.asarray(arr)
                 if arr.dtype != v.type.dtype.numpy():
                     want = v.type.dtype.numpy()
                     if arr.dtype.kind != want.kind and not (arr.dtype.kind in "iu" and want.kind in "iu"):
                         raise BindError(f"{self.graph.name}: {what} {v.name!r} has dtype {arr.dtype}, expected {v.type}")
-                    arr = arr.astype(want)
+                    arr = np.asarray(arr).astype(want)
                 if arr.ndim != v.type.rank:
                     raise BindError(f"{self.graph.name}: {what} {v.name!r} has shape {list(arr.shape)}, expected {v.type}")
                 for d, n in zip(v.type.shape, arr.shape):
@@ -124,7 +180,8 @@ class DeviceProgram:
                         raise BindError(f"{self.graph.name}: {what} {v.name!r} has shape {list(arr.shape)}, expected {v.type}")
                     if isinstance(d, str) and bindings.setdefault(d, n) != n:
                         raise BindError(f"{self.graph.name}: {what} {v.name!r} binds {d}={n}, but {d}={bindings[d]} elsewhere")
-                arrays[v.name] = np.require(arr, requirements="C")  # (ascontiguousarray makes 0-d arrays 1-d)
+                # (ascontiguousarray would make 0-d arrays 1-d)
+                arrays[v.name] = arr if isinstance(arr, DeviceArray) else np.require(arr, requirements="C")
         missing = self.graph.symbols - set(bindings)
         if missing:
             raise BindError(f"{self.graph.name}: symbols {sorted(missing)} are not bound by any input or state shape")
@@ -151,9 +208,9 @@ class DeviceProgram:
             if "ordered" in c.flags and n < rows:
                 raise ValueError(f"{name}: attention: {rows} queries cannot be the last rows of kv_len {n}")
 
-    def _buffers(self, bindings: dict[str, int]) -> dict[str, Any]:
-        """Device buffers of every non-resident value for these symbol values, reusing a
-        buffer once the last step reading its value has run."""
+    def _buffers(self, bindings: dict[str, int]) -> "_Sized":
+        """Device buffers of every value for these symbol values (non-resident ones reusing a
+        buffer once the last step reading its value has run)."""
         key = tuple(sorted(bindings.items()))
         if key in self._memory:
             self._memory.move_to_end(key)
@@ -187,66 +244,93 @@ class DeviceProgram:
                 if (self._last_use.get(root, i) == i and root not in self._kept and root in where
                         and where[root] not in free):
                     free.append(where[root])
-        buffers = {name: slots[s][1] for name, s in where.items()}
-        self._memory[key] = buffers
+        sized = _Sized({**{name: slots[s][1] for name, s in where.items()}, **self._resident})
+        self._memory[key] = sized
         if len(self._memory) > _PLANS_KEPT:
             self._memory.popitem(last=False)
-        return buffers
+        return sized
+
+    def _resolve(self, steps, buffers: Mapping[str, Any], env: dict[str, int]) -> list[tuple]:
+        """(kernel, groups, local, args) of every launch `steps` make for these sizes."""
+        resolved = []
+        for step in steps:
+            for launch in step.launches:
+                if launch.when and not self._expr(launch.when)(env):
+                    continue
+                groups = tuple(self._expr(g)(env) for g in launch.groups)
+                if 0 in groups:
+                    continue
+                args = [buffers[self._root(v)] for v in launch.buffers]
+                args += [np.int32(self._expr(e)(env)) for e in launch.ints]
+                resolved.append((launch.kernel, groups, launch.local, args))
+        return resolved
 
     def _launch_step(self, step, buffers: Mapping[str, Any], env: dict[str, int]) -> None:
-        for launch in step.launches:
-            if launch.when and not self._expr(launch.when)(env):
-                continue
-            groups = tuple(self._expr(g)(env) for g in launch.groups)
-            if 0 in groups:
-                continue
-            args = [buffers[self._root(v)] for v in launch.buffers]
-            args += [np.int32(self._expr(e)(env)) for e in launch.ints]
-            self.device.launch(launch.kernel, groups, launch.local, args)
+        for launch in self._resolve([step], buffers, env):
+            self.device.launch(*launch)
 
-    def _prepare(self, inputs, states) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
-        """Bind, check and upload: (bindings, size-expression env, buffer of every value)."""
+    def _prepare(self, inputs, states) -> tuple[dict[str, int], dict[str, int], "_Sized"]:
+        """Bind, check and upload: (bindings, size-expression env, buffers and launches)."""
         bindings, arrays = self._bind(inputs, states or {})
         env = {symbol_param(s): n for s, n in bindings.items()}
         for c in self.plan.checks:
             self._check(c, arrays[c.value], env)
-        buffers = {**self._buffers(bindings), **self._resident}
+        sized = self._buffers(bindings)
         for name, arr in arrays.items():
-            if arr.size:
-                self.device.upload(buffers[name], arr)
-        return bindings, env, buffers
+            dst = sized.buffers[name]
+            if isinstance(arr, DeviceArray):
+                if arr.nbytes and not (arr.buffer is dst and arr.offset == 0):
+                    self.device.copy(arr.buffer, arr.offset, dst, 0, arr.nbytes)
+            elif arr.size:
+                self.device.upload(dst, arr)
+        return bindings, env, sized
 
-    def _launch_all(self, buffers: Mapping[str, Any], env: dict[str, int]) -> None:
-        for step in self.plan.steps:
-            if not step.constant:
-                self._launch_step(step, buffers, env)
+    def _launch_all(self, sized: "_Sized", env: dict[str, int]) -> None:
+        if sized.launches is None:
+            sized.launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)
+        launch = self.device.launch
+        for kernel, groups, local, args in sized.launches:
+            launch(kernel, groups, local, args)
 
     def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None) -> RunResult:
-        bindings, env, buffers = self._prepare(inputs, states)
-        self._launch_all(buffers, env)
+        bindings, env, sized = self._prepare(inputs, states)
+        self._launch_all(sized, env)
+        buffers = sized.buffers
 
-        def read(name: str) -> np.ndarray:
+        def read(name: str, keep: bool = False):
             v = self.values[name]
-            out = np.empty(storage_shape(v, bindings), dtype=v.type.dtype.numpy())
+            shape, dtype = storage_shape(v, bindings), v.type.dtype.numpy()
+            if keep and self._keeps_states:
+                return DeviceArray(self.device, buffers[self._root(name)], shape, dtype)
+            out = np.empty(shape, dtype=dtype)
             if out.size:
                 self.device.download(buffers[self._root(name)], out)
             return out
 
-        outputs = {name: read(value) for name, value in self.graph.outputs}
-        new_states = {s.value.name: read(s.update) for s in self.graph.states if s.update is not None}
+        outputs = {name: read(value, name in self._row_states) for name, value in self.graph.outputs}
+        new_states = {s.value.name: read(s.update, True) for s in self.graph.states if s.update is not None}
         return RunResult(outputs, new_states, bindings)
 
     def launcher(self, inputs: Mapping[str, np.ndarray],
                  states: Mapping[str, np.ndarray] | None = None) -> Callable[[], None]:
         """A function that runs the kernels alone (inputs uploaded once, now) and waits for
         the device: what a benchmark compares with the bytes the kernels move."""
-        _, env, buffers = self._prepare(inputs, states)
-        first = buffers[self._root(self.graph.outputs[0][1])]
+        _, env, sized = self._prepare(inputs, states)
+        first = sized.buffers[self._root(self.graph.outputs[0][1])]
 
         def launch() -> None:
-            self._launch_all(buffers, env)
+            self._launch_all(sized, env)
             self.device.download(first, np.empty(1, np.uint8))  # in-order queue: waits for all
         return launch
+
+
+class _Sized:
+    """What calls with one set of symbol values share: every value's buffer, and the launch
+    list resolved on the first such call."""
+
+    def __init__(self, buffers: dict[str, Any]):
+        self.buffers = buffers
+        self.launches: list[tuple] | None = None
 
 
 def _nbytes(v: Value, bindings: Mapping[str, int]) -> int:

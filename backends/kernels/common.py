@@ -11,8 +11,10 @@ from typing import Sequence
 import numpy as np
 
 from dflash_ir.dtypes import DType
+from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
+from ..lowering import CTYPES
 from ..plan import symbol_param
 
 FLAT = 256  # work-group size of one-thread-per-element kernels
@@ -91,18 +93,35 @@ def broadcast_index(i: str, out: Sequence[Dim], src: Sequence[Dim]) -> str:
     return " + ".join(terms)
 
 
-def weight_at(dtype: DType, ptr: str, row: str, col: str, k: Dim) -> str:
-    """f32 value of element (row, col) of a weight stored as `dtype` with row length k."""
-    flat = f"(i64)({row}) * {dim(k)} + ({col})"
+def weight_at(dtype: DType, buf: str, row: str, col: str, k: Dim) -> str:
+    """f32 value of element (row, col) of a weight buffer stored as `dtype` with row length k."""
+    flat = f"I64({row}) * {dim(k)} + ({col})"
     if dtype is DType.F32:
-        return f"{ptr}[{flat}]"
+        return f"{buf}[{flat}]"
     if dtype is DType.F16:
-        return f"HALF_TO_FLOAT({ptr} + {flat})"
+        return f"HALF_AT({buf}, {flat})"
     if dtype is DType.BF16:
-        return f"bf16_at({ptr}, {flat})"
+        return f"BF16_AT({buf}, {flat})"
     if dtype is DType.Q8_0:
-        return f"q8_0_at({ptr} + (i64)({row}) * {q8_row_bytes(k)}, {col})"
+        return f"Q8_0_AT({buf}, I64({row}) * {q8_row_bytes(k)}, {col})"
     raise ValueError(f"{dtype} is not a weight dtype")
+
+
+def read(v: Value, buf: str, index: str) -> str:
+    """Element `index` of `v`'s buffer `buf`, any dtype: narrow elements go through the
+    LD_ macros (GLSL may store them packed in 32-bit words)."""
+    narrow = _NARROW_LOADS.get(CTYPES[v.type.dtype])
+    return f"{narrow}({buf}, {index})" if narrow else f"{buf}[{index}]"
+
+
+def write(v: Value, buf: str, index: str, value: str) -> str:
+    """The statement storing `value` (as `read` returns it) at element `index` of `buf`."""
+    narrow = _NARROW_STORES.get(CTYPES[v.type.dtype])
+    return f"{narrow}({buf}, {index}, {value});" if narrow else f"{buf}[{index}] = {value};"
+
+
+_NARROW_LOADS = {"u8": "LD_U8", "u16": "LD_U16"}
+_NARROW_STORES = {"u8": "ST_U8", "u16": "ST_U16"}
 
 
 def q8_row_bytes(k: Dim) -> str:

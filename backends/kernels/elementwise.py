@@ -5,7 +5,7 @@ from __future__ import annotations
 from dflash_ir.dtypes import DType
 
 from ..lowering import NodeCtx, lowers
-from .common import broadcast_index, f32, flat_launch
+from .common import broadcast_index, f32, flat_launch, read, write
 
 _BINARY = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
            "swiglu": "a * sigmoid_f32(a) * b", "sigmoid_gate": "a * sigmoid_f32(b)"}
@@ -34,14 +34,15 @@ def scale(ctx: NodeCtx) -> None:
 
 
 _CASTS = {
-    (DType.F32, DType.F16): "STORE_HALF(out + i, x0[i]);",
-    (DType.F16, DType.F32): "out[i] = HALF_TO_FLOAT(x0 + i);",
-    (DType.F32, DType.I32): "out[i] = (int)x0[i];",
-    (DType.I32, DType.F32): "out[i] = (float)x0[i];",
+    (DType.F32, DType.F16): "STORE_HALF(out, i, x0[i]);",
+    (DType.F16, DType.F32): "out[i] = HALF_AT(x0, i);",
+    (DType.F32, DType.I32): "out[i] = I32(x0[i]);",
+    (DType.I32, DType.F32): "out[i] = F32(x0[i]);",
 }
 
 
 @lowers("cast")
 def cast(ctx: NodeCtx) -> None:
-    pair = (ctx.ins[0].type.dtype, ctx.outs[0].type.dtype)
-    flat_launch(ctx, f"  {_CASTS.get(pair, 'out[i] = x0[i];')}\n")
+    x, out = ctx.ins[0], ctx.outs[0]
+    same = write(out, "out", "i", read(x, "x0", "i"))
+    flat_launch(ctx, f"  {_CASTS.get((x.type.dtype, out.type.dtype), same)}\n")

@@ -1,5 +1,6 @@
 """Fused ops without a kernel of their own yet, lowered as their parts' kernels (the same
-composition as their references in dflash_ir/ops/fused.py)."""
+composition as their references in dflash_ir/ops/fused.py). Written against `ctx.sub`
+alone, so the TVM lowering registers the same composition."""
 from __future__ import annotations
 
 from ..lowering import NodeCtx, lowers

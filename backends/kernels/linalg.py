@@ -1,8 +1,8 @@
 """Weight-consuming ops: dequantize, embedding, matmul (GEMV and tiled GEMM), expert_matmul.
 
 Weights are read in their storage type (f32, f16, bf16 or Q8_0 blocks of fp16 d + 32 int8,
-34 bytes, so only 2-byte aligned: scales and quants are read as u16). The GEMV takes a Q8_0
-block's scale out of its dot product (d * sum(q * x): a third fewer multiplies where the
+34 bytes, so only 2-byte aligned: scales and pairs of quants are read as u16). The GEMV
+takes a Q8_0 block's scale out of its dot product (d * sum(q * x): a third fewer multiplies where the
 weight read should be the only cost); elsewhere values are the reference's d * q exactly.
 """
 from __future__ import annotations
@@ -19,6 +19,8 @@ GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_q8_0); m
 GEMV_THREADS = 256
 TILE = 32         # GEMM output tile (TILE x TILE) and K step
 THREADS = 16      # GEMM work-group is THREADS x THREADS, each thread 2x2 outputs
+ROWWISE_COLS = 8  # CPU schedule: output columns per work-group ...
+ROWWISE_ROWS = 8  # ... and rows per work-item
 
 
 @lowers("dequantize")
@@ -65,32 +67,33 @@ class Gemv:
 def _gemv_body(g: Gemv, rows: int, count: str, n_total: str, prologue: str, wrow: str, xrow: str, out: str,
                act_quant: bool = False) -> str:
     """Column n, rows r0 .. r0+rows-1 (< count): each lane accumulates its chunks for every
-    row, then a tree reduction over the column's lanes. `xrow`, `out` are expressions of
-    `row`. With act_quant each x block is quantised to int8 as quantize_row_q8_0 does and
-    the block dot is an exact integer sum of DOT4_I8s."""
+    row, then a tree reduction over the column's lanes. `wrow` is the weight row of column n,
+    `xrow` the offset of x's row `row` in x, `out` a store statement of `row` and a value.
+    With act_quant each x block is quantised to int8 as quantize_row_q8_0 does and the
+    block dot is an exact integer sum of DOT4_I8s."""
     K, L = dim(g.k), g.lanes
     chunks = f"({K} / 32)" if g.dtype is DType.Q8_0 else K
     if g.dtype is DType.Q8_0:
-        block = (f"    GLOBAL const u8* blk = w + (i64)({wrow}) * {q8_row_bytes(g.k)} + c * 34;\n"
-                 f"    float d = HALF_TO_FLOAT((GLOBAL const u16*)blk);\n"
-                 f"    GLOBAL const u16* q = (GLOBAL const u16*)(blk + 2);\n")
+        block = (f"    i64 blk = I64({wrow}) * {q8_row_bytes(g.k)} + c * 34;\n"
+                 f"    float d = HALF_AT_BYTE(w, blk);\n")
         if act_quant:
-            load = block + "    int wq[8];\n    for (int e = 0; e < 8; ++e) wq[e] = (int)q[2 * e] | ((int)q[2 * e + 1] << 16);\n"
+            load = block + ("    int wq[8];\n    for (int e = 0; e < 8; ++e)\n"
+                            "      wq[e] = LD_U16_BYTE(w, blk + 2 + 4 * e) | (LD_U16_BYTE(w, blk + 4 + 4 * e) << 16);\n")
         else:
-            load = block + ("    float wv[32];\n    for (int e = 0; e < 16; ++e) {\n      u16 two = q[e];\n"
-                            "      wv[2 * e] = (float)(i8)(two & 0xff);\n      wv[2 * e + 1] = (float)(i8)(two >> 8);\n"
-                            "    }\n")
+            load = block + ("    float wv[32];\n    for (int e = 0; e < 16; ++e) {\n"
+                            "      int two = LD_U16_BYTE(w, blk + 2 + 2 * e);\n"
+                            "      wv[2 * e] = F32(I8(two));\n      wv[2 * e + 1] = F32(I8(two >> 8));\n    }\n")
     else:
         load = f"    float wv[1];\n    wv[0] = {weight_at(g.dtype, 'w', wrow, 'c', g.k)};\n"
     if act_quant:
-        dot = ("      float amax = 0.0f;\n      for (int e = 0; e < 32; ++e) amax = fmaxf(amax, fabsf(xr[e]));\n"
+        dot = ("      float amax = 0.0f;\n      for (int e = 0; e < 32; ++e) amax = fmaxf(amax, fabsf(x[xr + e]));\n"
                "      float dx = amax / 127.0f, inv = dx != 0.0f ? 1.0f / dx : 0.0f;\n      int isum = 0;\n"
-               "      for (int e = 0; e < 8; ++e) {\n        int packed = 0;\n"
-               "        for (int b = 0; b < 4; ++b) packed |= ((int)(u8)(i8)(int)roundf(xr[4 * e + b] * inv)) << (8 * b);\n"
-               "        isum = DOT4_I8(packed, wq[e], isum);\n      }\n"
-               "      acc[r] += (float)isum * ROUND_HALF(dx) * d;\n")
+               "      for (int e = 0; e < 8; ++e) {\n        int word = 0;\n"
+               "        for (int b = 0; b < 4; ++b) word |= (I32(roundf(x[xr + 4 * e + b] * inv)) & 0xff) << (8 * b);\n"
+               "        isum = DOT4_I8(word, wq[e], isum);\n      }\n"
+               "      acc[r] += F32(isum) * ROUND_HALF(dx) * d;\n")
     else:
-        dot = (f"      float s = 0.0f;\n      for (int e = 0; e < {g.chunk}; ++e) s += wv[e] * xr[e];\n"
+        dot = (f"      float s = 0.0f;\n      for (int e = 0; e < {g.chunk}; ++e) s += wv[e] * x[xr + e];\n"
                f"      acc[r] += {'d * s' if g.dtype is DType.Q8_0 else 's'};\n")
     slot = f"(r * {g.cols} + col) * {L} + lane"
     return (f"  int lane = LID(0), col = LID(1);\n{prologue}"
@@ -98,7 +101,7 @@ def _gemv_body(g: Gemv, rows: int, count: str, n_total: str, prologue: str, wrow
             f"  for (int r = 0; r < {rows}; ++r) acc[r] = 0.0f;\n"
             f"  for (int c = lane; n < {n_total} && c < {chunks}; c += {L}) {{\n{load}"
             f"    for (int r = 0; r < {rows}; ++r) {{\n      int row = r0 + r;\n      if (row >= {count}) break;\n"
-            f"      GLOBAL const float* xr = {xrow} + c * {g.chunk};\n{dot}    }}\n  }}\n"
+            f"      i64 xr = {xrow} + c * {g.chunk};\n{dot}    }}\n  }}\n"
             f"  for (int r = 0; r < {rows}; ++r) red[{slot}] = acc[r];\n  BARRIER();\n"
             f"  for (int s = {L // 2}; s > 0; s >>= 1) {{\n"
             f"    if (lane < s) for (int r = 0; r < {rows}; ++r) red[{slot}] += red[{slot} + s];\n"
@@ -108,28 +111,66 @@ def _gemv_body(g: Gemv, rows: int, count: str, n_total: str, prologue: str, wrow
 
 
 def matmul_launch(ctx: NodeCtx, *, act_quant: bool = False) -> None:
-    """x @ wᵀ [+ residual] for node inputs (x, w[, residual]): a GEMV for up to GEMV_ROWS rows,
-    else a tiled GEMM; with a symbolic row count both are planned and the launch picks one
-    per call (a prefill's single logits row is a GEMV, its 512 hidden rows a GEMM)."""
+    """x @ wᵀ [+ residual] for node inputs (x, w[, residual]). GPU profile: a GEMV for up to
+    GEMV_ROWS rows, else a tiled GEMM; with a symbolic row count both are planned and the
+    launch picks one per call (a prefill's single logits row is a GEMV, its 512 hidden rows
+    a GEMM). CPU profile: the rowwise schedule for every row count."""
     x, w, *res = ctx.ins
     out = ctx.outs[0]
     n, k = w.type.shape
     dtype = w.type.dtype
     M, N, K = prod(x.type.shape[:-1]), dim(n), dim(k)
     buffers = [("x", x, False), ("w", w, False)] + [("residual", r, False) for r in res] + [("out", out, True)]
-    store = f"out[(i64)row * {N} + n] = {{}}" + (f" + residual[(i64)row * {N} + n]" if res else "")
+    store = f"out[I64(row) * {N} + n] = {{}}" + (f" + residual[I64(row) * {N} + n]" if res else "")
     fixed = int(M) if M.isdigit() else None
+    if ctx.profile == "cpu" and not act_quant:
+        for rows, when in ((1, f"{M} == 1"), (ROWWISE_ROWS, f"{M} > 1")):  # one row keeps its sums in registers
+            if fixed is None or (fixed == 1) == (rows == 1):
+                ctx.launch("matmul_rows", _rowwise_body(dtype, M, N, k, rows, store.format("s")), buffers=buffers,
+                           groups=[cdiv(M, rows), cdiv(N, ROWWISE_COLS)], local=(ROWWISE_COLS,),
+                           when=None if fixed else when)
+        return
     if fixed is None or fixed <= GEMV_ROWS:
         g = Gemv(dtype, k)
         rows = min(fixed, GEMV_ROWS) if fixed else GEMV_ROWS
         body = _gemv_body(g, rows, M, N, f"  int n = GID(0) * {g.cols} + col, r0 = GID(1) * {rows};\n", "n",
-                          f"x + (i64)row * {K}", store, act_quant)
+                          f"I64(row) * {K}", store, act_quant)
         ctx.launch("matmul_gemv", body, buffers=buffers, groups=[cdiv(N, g.cols), cdiv(M, rows)],
                    local=(g.lanes, g.cols), when=None if fixed else f"{M} <= {GEMV_ROWS}")
     if fixed is None or fixed > GEMV_ROWS:
         ctx.launch("matmul_gemm", _gemm_body(dtype, M, n, k, store.format("acc[a][b]"), act_quant), buffers=buffers,
                    groups=[cdiv(N, TILE), cdiv(M, TILE)], local=(THREADS, THREADS),
                    when=None if fixed else f"{M} > {GEMV_ROWS}")
+
+
+def _rowwise_body(dtype: DType, M: str, N: str, k: Dim, R: int, store: str, wrow: str = "n",
+                  xrow: str = "I64(row) * {K}") -> str:
+    """CPU schedule of x @ wᵀ, any row count: a work-item owns output column n for a block of
+    ROWWISE_ROWS rows, dequantises each 32-element chunk of w's row n once and applies it to
+    every row of the block, accumulating into 32 independent sums per row, which a CPU
+    compiler turns into vector FMAs (one running sum would be a serial dependency chain).
+    Work-groups are numbered row-block fastest, so consecutive ones read the same
+    ROWWISE_COLS weight rows, from cache after the first. Without a ragged K tail the
+    chunk loops have constant trip counts, which is what lets them vectorise. `wrow` is the
+    weight row of column n (of `r0` too for R = 1), `xrow` the offset of x's row `row`."""
+    K = dim(k)
+    xrow = xrow.format(K=K)
+    whole = isinstance(k, int) and k % 32 == 0 or dtype is DType.Q8_0
+    inside = "" if whole else f" && c + e < {K}"
+    if dtype is DType.Q8_0:
+        chunk = (f"    i64 blk = I64({wrow}) * {q8_row_bytes(k)} + (c / 32) * 34;\n    float d = HALF_AT_BYTE(w, blk);\n"
+                 f"    for (int e = 0; e < 32; ++e) wv[e] = d * F32(LD_I8(w, blk + 2 + e));\n")
+    else:
+        value = weight_at(dtype, "w", wrow, "c + e", k)
+        chunk = f"    for (int e = 0; e < 32; ++e) wv[e] = {value if whole else f'c + e < {K} ? {value} : 0.0f'};\n"
+    return (f"  int r0 = GID(0) * {R}, n = GID(1) * {ROWWISE_COLS} + LID(0);\n  if (n >= {N}) return;\n"
+            f"  float acc[{R}][32];\n  float wv[32];\n"
+            f"  for (int r = 0; r < {R}; ++r) for (int e = 0; e < 32; ++e) acc[r][e] = 0.0f;\n"
+            f"  for (int c = 0; c < {K}; c += 32) {{\n{chunk}"
+            f"    for (int r = 0; r < {R} && r0 + r < {M}; ++r) {{\n      int row = r0 + r;\n      i64 xc = {xrow} + c;\n"
+            f"      for (int e = 0; e < 32{inside}; ++e) acc[r][e] += wv[e] * x[xc + e];\n    }}\n  }}\n"
+            f"  for (int r = 0; r < {R} && r0 + r < {M}; ++r) {{\n    int row = r0 + r;\n    float s = 0.0f;\n"
+            f"    for (int e = 0; e < 32; ++e) s += acc[r][e];\n    {store};\n  }}\n")
 
 
 @lowers("matmul")
@@ -151,14 +192,14 @@ def _gemm_body(dtype: DType, M: str, n: Dim, k: Dim, store: str, act_quant: bool
     N, K, P = dim(n), dim(k), TILE + 1  # padded rows avoid local-memory bank conflicts
     per = TILE // THREADS
     if act_quant:
-        w_value = "(float)(i8)w[(i64)n * {rb} + (k / 32) * 34 + 2 + kk]".format(rb=q8_row_bytes(k))
+        w_value = f"F32(LD_I8(w, I64(n) * {q8_row_bytes(k)} + (k / 32) * 34 + 2 + kk))"
         quantise = (f"    if (tid < {TILE}) {{\n      float amax = 0.0f;\n"
                     f"      for (int e = 0; e < {TILE}; ++e) amax = fmaxf(amax, fabsf(xs[tid * {P} + e]));\n"
                     f"      float dx = amax / 127.0f, inv = dx != 0.0f ? 1.0f / dx : 0.0f;\n"
                     f"      for (int e = 0; e < {TILE}; ++e) xs[tid * {P} + e] = roundf(xs[tid * {P} + e] * inv);\n"
                     f"      xd[tid] = ROUND_HALF(dx);\n"
                     f"      int n = n0 + tid;\n"
-                    f"      wd[tid] = n < {N} ? HALF_TO_FLOAT((GLOBAL const u16*)(w + (i64)n * {q8_row_bytes(k)} + (k0 / 32) * 34)) : 0.0f;\n"
+                    f"      wd[tid] = n < {N} ? HALF_AT_BYTE(w, I64(n) * {q8_row_bytes(k)} + (k0 / 32) * 34) : 0.0f;\n"
                     f"    }}\n    BARRIER();\n")
         scales = f"  LOCAL float xd[{TILE}];\n  LOCAL float wd[{TILE}];\n"
         step = ("        {{ float s = 0.0f; for (int kk = 0; kk < {T}; ++kk) s += xs[(ty + a * {H}) * {P} + kk] * "
@@ -177,7 +218,7 @@ def _gemm_body(dtype: DType, M: str, n: Dim, k: Dim, store: str, act_quant: bool
             f"  for (int k0 = 0; k0 < {K}; k0 += {TILE}) {{\n"
             f"    for (int e = tid; e < {TILE * TILE}; e += {THREADS * THREADS}) {{\n"
             f"      int rr = e / {TILE}, kk = e % {TILE}, k = k0 + kk, m = m0 + rr, n = n0 + rr;\n"
-            f"      xs[rr * {P} + kk] = (m < {M} && k < {K}) ? x[(i64)m * {K} + k] : 0.0f;\n"
+            f"      xs[rr * {P} + kk] = (m < {M} && k < {K}) ? x[I64(m) * {K} + k] : 0.0f;\n"
             f"      ws[rr * {P} + kk] = (n < {N} && k < {K}) ? {w_value} : 0.0f;\n    }}\n"
             f"    BARRIER();\n{quantise}{compute}"
             f"    BARRIER();\n  }}\n"
@@ -188,15 +229,23 @@ def _gemm_body(dtype: DType, M: str, n: Dim, k: Dim, store: str, act_quant: bool
 
 @lowers("expert_matmul")
 def expert_matmul(ctx: NodeCtx) -> None:
-    """One work-group per (output column, (row, slot) pair) reads only the selected expert's row."""
+    """Each (row, slot) pair reads only its selected expert's rows: GPU profile, a work-group
+    per (output column block, pair); CPU profile, the rowwise schedule with one pair per item."""
     x, w, ids = ctx.ins
     out = ctx.outs[0]
     _, n, k = w.type.shape
     pairs = prod(ids.type.shape)
     slots = dim(ids.type.shape[1])
-    xrow = f"x + (i64)(p / {slots}) * {dim(k)}" if x.type.rank == 2 else f"x + (i64)p * {dim(k)}"
+    buffers = [("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)]
+    if ctx.profile == "cpu":
+        xrow = f"I64(row / {slots}) * {{K}}" if x.type.rank == 2 else "I64(row) * {K}"
+        body = _rowwise_body(w.type.dtype, pairs, dim(n), k, 1, f"out[I64(row) * {dim(n)} + n] = s",
+                             f"I64(ids[r0]) * {dim(n)} + n", xrow)
+        ctx.launch("expert_matmul_rows", body, buffers=buffers, groups=[pairs, cdiv(dim(n), ROWWISE_COLS)],
+                   local=(ROWWISE_COLS,))
+        return
+    xrow = f"I64(p / {slots}) * {dim(k)}" if x.type.rank == 2 else f"I64(p) * {dim(k)}"
     g = Gemv(w.type.dtype, k)
     body = _gemv_body(g, 1, "1", dim(n), f"  int n = GID(0) * {g.cols} + col, p = GID(1), r0 = 0;\n",
-                      f"(i64)ids[p] * {dim(n)} + n", xrow, f"out[(i64)p * {dim(n)} + n] = {{}}")
-    ctx.launch("expert_matmul", body, buffers=[("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)],
-               groups=[cdiv(dim(n), g.cols), pairs], local=(g.lanes, g.cols))
+                      f"I64(ids[p]) * {dim(n)} + n", xrow, f"out[I64(p) * {dim(n)} + n] = {{}}")
+    ctx.launch("expert_matmul", body, buffers=buffers, groups=[cdiv(dim(n), g.cols), pairs], local=(g.lanes, g.cols))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
 from ..lowering import NodeCtx, lowers
-from .common import coord, dim, flat_launch, prod
+from .common import coord, dim, flat_launch, prod, read, write
 
 
 
@@ -18,6 +19,11 @@ def _split(shape: Sequence[Dim], axis: int) -> str:
 
 def _split_sizes(inner: str, n: str) -> str:
     return f"  int r = i % {inner}, j = (i / {inner}) % {n}, o = i / ({inner} * {n});\n"
+
+
+def _copy(ctx: NodeCtx, x: Value, src: str, buf: str = "x0") -> str:
+    """out[i] = buf[src], in the element type of `x` (the output's)."""
+    return write(ctx.outs[0], "out", "i", read(x, buf, src))
 
 
 def _axis(ctx: NodeCtx) -> int:
@@ -33,8 +39,8 @@ def reshape(ctx: NodeCtx) -> None:
 def slice_(ctx: NodeCtx) -> None:
     a, (x,) = _axis(ctx), ctx.ins
     inner = prod(x.type.shape[a + 1:])
-    flat_launch(ctx, _split(ctx.outs[0].type.shape, a) +
-          f"  out[i] = x0[(o * {dim(x.type.shape[a])} + j + {ctx.attr['start']}) * {inner} + r];\n")
+    src = f"(o * {dim(x.type.shape[a])} + j + {ctx.attr['start']}) * {inner} + r"
+    flat_launch(ctx, _split(ctx.outs[0].type.shape, a) + f"  {_copy(ctx, x, src)}\n")
 
 
 @lowers("concat")
@@ -44,7 +50,7 @@ def concat(ctx: NodeCtx) -> None:
     lines, start = [], 0
     for n, x in enumerate(ctx.ins):
         size = x.type.shape[a]
-        lines.append(f"if (j < {start + size}) out[i] = x{n}[(o * {size} + j - {start}) * {inner} + r];")
+        lines.append(f"if (j < {start + size}) {_copy(ctx, x, f'(o * {size} + j - {start}) * {inner} + r', f'x{n}')}")
         start += size
     flat_launch(ctx, _split(ctx.outs[0].type.shape, a) + "  " + "\n  else ".join(lines) + "\n")
 
@@ -54,7 +60,7 @@ def transpose(ctx: NodeCtx) -> None:
     src = ctx.ins[0].type.shape
     out = ctx.outs[0].type.shape
     terms = [f"{coord('i', out, d)} * {prod(src[p + 1:])}" for d, p in enumerate(ctx.attr["perm"])]
-    flat_launch(ctx, f"  out[i] = x0[{' + '.join(terms) or '0'}];\n")
+    flat_launch(ctx, f"  {_copy(ctx, ctx.ins[0], ' + '.join(terms) or '0')}\n")
 
 
 @lowers("gather")
@@ -63,8 +69,8 @@ def gather(ctx: NodeCtx) -> None:
     x, idx = ctx.ins
     ctx.check("index", idx, size=dim(x.type.shape[a]))
     inner = prod(x.type.shape[a + 1:])
-    flat_launch(ctx, _split_sizes(inner, prod(idx.type.shape)) +
-          f"  out[i] = x0[((i64)o * {dim(x.type.shape[a])} + x1[j]) * {inner} + r];\n")
+    src = f"(I64(o) * {dim(x.type.shape[a])} + x1[j]) * {inner} + r"
+    flat_launch(ctx, _split_sizes(inner, prod(idx.type.shape)) + f"  {_copy(ctx, x, src)}\n")
 
 
 @lowers("repeat")
@@ -73,4 +79,4 @@ def repeat(ctx: NodeCtx) -> None:
     n = dim(x.type.shape[a])
     src = f"j % {n}" if ctx.attr.get("mode", "tile") == "tile" else f"j / {ctx.attr['repeats']}"
     flat_launch(ctx, _split(ctx.outs[0].type.shape, a) +
-          f"  out[i] = x0[(o * {n} + {src}) * {prod(x.type.shape[a + 1:])} + r];\n")
+                f"  {_copy(ctx, x, f'(o * {n} + {src}) * {prod(x.type.shape[a + 1:])} + r')}\n")

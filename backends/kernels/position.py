@@ -28,7 +28,7 @@ def rope(ctx: NodeCtx) -> None:
                      f"  if (dd >= {n_rot}) {{ out[i] = x0[i]; return; }}\n"
                      f"  const float inv_freq[{half}] = {f32_table(inv_freq)};\n{table}"
                      f"  int j = dd < {half} ? dd : dd - {half};\n"
-                     f"  float angle = (float){position} * inv_freq[j];\n"
+                     f"  float angle = F32({position}) * inv_freq[j];\n"
                      f"  float c = cosf(angle), s = sinf(angle);\n"
                      f"  float lo = x0[i - dd + j], hi = x0[i - dd + j + {half}];\n"
                      f"  out[i] = dd < {half} ? lo * c - hi * s : hi * c + lo * s;\n")

@@ -15,8 +15,8 @@ def causal_conv1d(ctx: NodeCtx) -> None:
     t, c = x.type.shape
     width = w.type.shape[1]
     T, C, K1 = dim(t), dim(c), width - 1
-    at = f"(r < {K1} ? state[r * {C} + ch] : x[(i64)(r - {K1}) * {C} + ch])"
-    emit = f"      row_states[((i64)row * {K1} + e) * {C} + ch] = v;\n" if rows else ""
+    at = f"(r < {K1} ? state[r * {C} + ch] : x[I64(r - {K1}) * {C} + ch])"
+    emit = f"      row_states[(I64(row) * {K1} + e) * {C} + ch] = v;\n" if rows else ""
     body = (f"  int i = GID(0) * {FLAT} + LID(0);\n  if (i >= {T} * {C}) return;\n"
             f"  int row = i / {C}, ch = i % {C};\n  float acc = 0.0f;\n"
             f"  for (int j = 0; j < {width}; ++j) {{\n    int r = row + j;\n"
@@ -32,8 +32,10 @@ def causal_conv1d(ctx: NodeCtx) -> None:
 def gated_delta_rule(ctx: NodeCtx) -> None:
     """A thread per state column (v head h, value dim col) keeps S[:, col] in registers and
     walks the rows in order, so every reduction over the key dim stays inside the thread;
-    the work-group shares each row's q and k through local memory. The chunked form
-    (chunk_size > 0) is the same recurrence, so it runs this kernel too."""
+    the work-group shares each row's q and k through local memory (GPU profile; on a CPU
+    they are read where they are, and a work-group without barriers vectorises across its
+    columns). The chunked form (chunk_size > 0) is the same recurrence, so it runs this
+    kernel too."""
     q, k, v, g, beta, state = ctx.ins
     o, new_state, *rows = ctx.outs
     t, hk, dk = q.type.shape
@@ -41,20 +43,26 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
     L = pow2_threads(dv, most=64) if isinstance(dv, int) else 64
     T, DK, DV = dim(t), dim(dk), dim(dv)
     kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
-    cell = f"((i64)h * {DK} + e) * {DV} + col"
-    emit = f"      for (int e = 0; e < {DK}; ++e) row_states[(i64)t * {hv} * {DK} * {DV} + {cell}] = S[e];\n" if rows else ""
-    body = (f"  int h = GID(0), lid = LID(0), col = GID(1) * {L} + lid, kh = {kh};\n  int live = col < {DV};\n"
-            f"  LOCAL float qs[{dk}];\n  LOCAL float ks[{dk}];\n  float S[{dk}];\n"
+    cell = f"(I64(h) * {DK} + e) * {DV} + col"
+    emit = f"      for (int e = 0; e < {DK}; ++e) row_states[I64(t) * {hv} * {DK} * {DV} + {cell}] = S[e];\n" if rows else ""
+    qk_row = f"(I64(t) * {hk} + kh) * {DK}"
+    if ctx.profile == "cpu":  # q and k rows come from cache anyway: no staging, no barriers
+        stage, qs, ks = "", f"(q[{qk_row} + e] * {f32(ctx.attr['scale'])})", f"k[{qk_row} + e]"
+    else:
+        stage = (f"    BARRIER();\n    for (int e = lid; e < {DK}; e += {L}) {{\n"
+                 f"      qs[e] = q[{qk_row} + e] * {f32(ctx.attr['scale'])};\n      ks[e] = k[{qk_row} + e];\n    }}\n"
+                 f"    BARRIER();\n")
+        qs, ks = "qs[e]", "ks[e]"
+    body = (f"  int h = GID(0), lid = LID(0), col = GID(1) * {L} + lid, kh = {kh};\n  bool live = col < {DV};\n"
+            + ("" if ctx.profile == "cpu" else f"  LOCAL float qs[{dk}];\n  LOCAL float ks[{dk}];\n") +
+            f"  float S[{dk}];\n"
             f"  for (int e = 0; e < {DK}; ++e) S[e] = live ? state[{cell}] : 0.0f;\n"
-            f"  for (int t = 0; t < {T}; ++t) {{\n    BARRIER();\n"
-            f"    for (int e = lid; e < {DK}; e += {L}) {{\n"
-            f"      qs[e] = q[((i64)t * {hk} + kh) * {DK} + e] * {f32(ctx.attr['scale'])};\n"
-            f"      ks[e] = k[((i64)t * {hk} + kh) * {DK} + e];\n    }}\n    BARRIER();\n"
-            f"    float decay = expf(g[t * {hv} + h]), b = beta[t * {hv} + h], sk = 0.0f, out = 0.0f;\n"
-            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] *= decay; sk += S[e] * ks[e]; }}\n"
-            f"    float delta = b * ((live ? v[((i64)t * {hv} + h) * {DV} + col] : 0.0f) - sk);\n"
-            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] += ks[e] * delta; out += S[e] * qs[e]; }}\n"
-            f"    if (live) {{\n      o[((i64)t * {hv} + h) * {DV} + col] = out;\n{emit}    }}\n  }}\n"
+            f"  for (int t = 0; t < {T}; ++t) {{\n{stage}"
+            f"    float decay = expf(g[t * {hv} + h]), b = beta[t * {hv} + h], sk = 0.0f, y = 0.0f;\n"
+            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] *= decay; sk += S[e] * {ks}; }}\n"
+            f"    float delta = b * ((live ? v[(I64(t) * {hv} + h) * {DV} + col] : 0.0f) - sk);\n"
+            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] += {ks} * delta; y += S[e] * {qs}; }}\n"
+            f"    if (live) {{\n      o[(I64(t) * {hv} + h) * {DV} + col] = y;\n{emit}    }}\n  }}\n"
             f"  if (live) for (int e = 0; e < {DK}; ++e) new_state[{cell}] = S[e];\n")
     buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
                ("state", state, False), ("o", o, True), ("new_state", new_state, True)]

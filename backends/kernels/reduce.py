@@ -25,12 +25,12 @@ def _norm(ctx: NodeCtx, mean: bool) -> None:
         w = ctx.ins[1]
         weight = f" * {weight_at(w.type.dtype, 'w', '0', 'k', n)}"
         buffers.append(("w", w, False))
-    body = (f"  int row = GID(0), lid = LID(0);\n  GLOBAL const float* xr = x + (i64)row * {N};\n"
+    body = (f"  int row = GID(0), lid = LID(0);\n  i64 xr = I64(row) * {N};\n"
             f"  LOCAL float red[{L}];\n  float acc = 0.0f;\n"
-            f"  for (int k = lid; k < {N}; k += {L}) acc += xr[k] * xr[k];\n  red[lid] = acc;\n"
+            f"  for (int k = lid; k < {N}; k += {L}) acc += x[xr + k] * x[xr + k];\n  red[lid] = acc;\n"
             + tree_reduce("red", L, "a + b") +
             f"  float r = 1.0f / sqrtf({sumsq} + {f32(ctx.attr['eps'])});\n"
-            f"  for (int k = lid; k < {N}; k += {L}) out[(i64)row * {N} + k] = xr[k] * r{weight};\n")
+            f"  for (int k = lid; k < {N}; k += {L}) out[xr + k] = x[xr + k] * r{weight};\n")
     ctx.launch(ctx.node.op, body, buffers=buffers + [("out", ctx.outs[0], True)],
                groups=[prod(x.type.shape[:-1])], local=(L,))
 
@@ -52,7 +52,7 @@ def softmax(ctx: NodeCtx) -> None:
     a = ctx.attr.get("axis", -1) % len(shape)
     n, inner = shape[a], prod(shape[a + 1:])
     L, N = _row_threads(n), dim(n)
-    at = f"((i64)(o * {N} + k) * {inner} + r)"
+    at = f"(I64(o * {N} + k) * {inner} + r)"
     body = (f"  int line = GID(0), lid = LID(0), o = line / {inner}, r = line % {inner};\n"
             f"  LOCAL float red[{L}];\n  float m = -INFINITY, s = 0.0f;\n"
             f"  for (int k = lid; k < {N}; k += {L}) m = fmaxf(m, x[{at}]);\n  red[lid] = m;\n"
@@ -71,9 +71,9 @@ def argmax(ctx: NodeCtx) -> None:
     x = ctx.ins[0]
     n = x.type.shape[-1]
     L, N = _row_threads(n), dim(n)
-    body = (f"  int row = GID(0), lid = LID(0);\n  GLOBAL const float* xr = x + (i64)row * {N};\n"
+    body = (f"  int row = GID(0), lid = LID(0);\n  i64 xr = I64(row) * {N};\n"
             f"  LOCAL float bv[{L}];\n  LOCAL int bi[{L}];\n  float v = -INFINITY;\n  int at = {N};\n"
-            f"  for (int k = lid; k < {N}; k += {L}) if (xr[k] > v || at == {N}) {{ v = xr[k]; at = k; }}\n"
+            f"  for (int k = lid; k < {N}; k += {L}) if (x[xr + k] > v || at == {N}) {{ v = x[xr + k]; at = k; }}\n"
             f"  bv[lid] = v;\n  bi[lid] = at;\n  BARRIER();\n"
             f"  for (int s = {L // 2}; s > 0; s >>= 1) {{\n"
             f"    if (lid < s && (bv[lid + s] > bv[lid] || (bv[lid + s] == bv[lid] && bi[lid + s] < bi[lid]))) {{\n"
@@ -91,9 +91,9 @@ def topk(ctx: NodeCtx) -> None:
     k, N = ctx.attr["k"], dim(x.type.shape[-1])
     rows = prod(x.type.shape[:-1])
     body = (f"  int row = GID(0) * {FLAT} + LID(0);\n  if (row >= {rows}) return;\n"
-            f"  GLOBAL const float* xr = x + (i64)row * {N};\n  float pv = INFINITY;\n  int pi = -1;\n"
+            f"  i64 xr = I64(row) * {N};\n  float pv = INFINITY;\n  int pi = -1;\n"
             f"  for (int p = 0; p < {k}; ++p) {{\n    float bv = -INFINITY;\n    int bi = -1;\n"
-            f"    for (int j = 0; j < {N}; ++j) {{\n      float v = xr[j];\n"
+            f"    for (int j = 0; j < {N}; ++j) {{\n      float v = x[xr + j];\n"
             f"      if ((v < pv || (v == pv && j > pi)) && (bi < 0 || v > bv)) {{ bv = v; bi = j; }}\n    }}\n"
             f"    values[row * {k} + p] = bv;\n    indices[row * {k} + p] = bi;\n    pv = bv;\n    pi = bi;\n  }}\n")
     values, indices = ctx.outs
@@ -107,7 +107,7 @@ def sum_(ctx: NodeCtx) -> None:
     shape = x.type.shape
     a = ctx.attr["axis"] % len(shape)
     n, inner = dim(shape[a]), prod(shape[a + 1:])
-    at = f"x0[(i64)(o * {n} + j) * {inner} + r]"
+    at = f"x0[I64(o * {n} + j) * {inner} + r]"
     if x.type.dtype is DType.I32:
         loop = f"  int s = 0;\n  for (int j = 0; j < {n}; ++j) s += {at};\n"
     else:  # Kahan: the sum stays within an ulp or two whatever the length

@@ -71,8 +71,10 @@ def test_rollback_equals_fresh_run(tiny_pair, arch, keep):
     r.prefill(prompt)
     for t in block[:keep]:
         r.decode(t)
-    for k, v in _committed_states(r).items():  # BLAS sums T rows and 1 row in different orders
-        assert _close(rolled[k], v), k
+    # BLAS sums T rows and 1 row in different orders: OpenBLAS 0.3.31 (numpy 2.4) gets
+    # to 1.8e-5 at T = 6 on these random weights; a wrong row or a missed rollback is O(1)
+    for k, v in _committed_states(r).items():
+        assert _close(rolled[k], v, 5e-5), k
     r.reset()
     r.prefill(np.concatenate([prompt, block[:keep]]))
     for k, v in _committed_states(r).items():  # the chunked form reorders sums; random weights amplify it

@@ -1,0 +1,78 @@
+"""States stay on the device between calls: the runner hands back DeviceArrays, takes them
+back without a host round trip, and they hold what the interpreter computes."""
+import numpy as np
+
+from dflash_ir.backends.lowering import lower
+from dflash_ir.backends.opencl import CLDevice
+from dflash_ir.backends.runner import DeviceArray, DeviceProgram, Resident
+from dflash_ir.benchmark.kernels import gdn_case
+from dflash_ir.interpreter import Interpreter
+
+
+class CountingDevice:
+    """A CLDevice that counts the bytes crossing the host boundary."""
+
+    def __init__(self):
+        self.inner = CLDevice()
+        self.uploaded = self.downloaded = 0
+
+    def alloc(self, nbytes):
+        return self.inner.alloc(nbytes)
+
+    def upload(self, buf, array):
+        self.uploaded += array.nbytes
+        self.inner.upload(buf, array)
+
+    def download(self, buf, array):
+        self.downloaded += array.nbytes
+        self.inner.download(buf, array)
+
+    def copy(self, *args):
+        self.inner.copy(*args)
+
+    def launch(self, *args):
+        self.inner.launch(*args)
+
+
+def _gdn(opencl, tmp_path, meta=()):
+    """A 5-row gated delta rule that updates its state and emits per-row states ("row_states")."""
+    from dataclasses import replace
+
+    case = gdn_case("gdn", 5, hk=2, hv=4, dk=16, dv=16)
+    graph = replace(case.graph, meta=(*case.graph.meta, *meta))
+    opencl.compile(graph, tmp_path)  # builds the kernels into the process's library
+    device = CountingDevice()
+    return case, graph, DeviceProgram(graph, lower(graph, opencl.profile()), device, lambda w: None, Resident()), device
+
+
+def test_states_come_back_as_device_arrays_and_go_in_without_host_copies(opencl, tmp_path):
+    case, graph, program, device = _gdn(opencl, tmp_path)
+    first = program.run(case.inputs, case.states)
+    (name, state), = first.states.items()
+    assert isinstance(state, DeviceArray)
+    want = Interpreter(graph, lambda w: None).run(case.inputs, case.states)
+    assert np.allclose(np.asarray(state), want.states[name], rtol=1e-5, atol=1e-6)
+    device.uploaded = device.downloaded = 0
+    second = program.run(case.inputs, first.states)
+    inputs_bytes = sum(np.asarray(v).nbytes for v in case.inputs.values())
+    assert device.uploaded == inputs_bytes  # the state did not go through the host
+    outputs_bytes = sum(np.asarray(v).nbytes for v in second.outputs.values() if not isinstance(v, DeviceArray))
+    assert device.downloaded == outputs_bytes
+    again = Interpreter(graph, lambda w: None).run(case.inputs, want.states)
+    assert np.allclose(np.asarray(second.states[name]), again.states[name], rtol=1e-5, atol=1e-6)
+
+
+def test_row_states_stay_on_the_device_and_index_to_rows(opencl, tmp_path):
+    """Outputs named in graph meta "row_states" (a verify's per-row snapshots) are DeviceArrays;
+    indexing one gives a row that reads back, or goes back in as a state, unchanged."""
+    case, graph, program, _ = _gdn(opencl, tmp_path, meta=[("row_states", (("state", "row_states"),))])
+    state_name = "state"
+    res = program.run(case.inputs, case.states)
+    rows = res.outputs["row_states"]
+    assert isinstance(rows, DeviceArray) and rows.shape[0] == 5
+    host = np.asarray(rows)
+    for i in (0, 3, -1):
+        assert np.array_equal(np.asarray(rows[i]), host[i])
+    again = program.run(case.inputs, {state_name: rows[2]})
+    reference = program.run(case.inputs, {state_name: host[2]})
+    assert np.array_equal(np.asarray(again.states[state_name]), np.asarray(reference.states[state_name]))

@@ -1,0 +1,200 @@
+"""The tvm-llvm, tvm-opencl, tvm-cuda and tvm-rocm backends: kernels from TensorIR built by
+apache-tvm, the launch plan and runner shared with the native backends.
+
+- tvm-llvm: a shared library per graph, run through the TVM runtime on this CPU.
+- tvm-opencl: TVM's OpenCL source, built and run by pyopencl (PoCL on a CPU-only machine).
+- tvm-cuda: TVM's CUDA source compiled by nvcc to PTX and cubins, run by CuPy like the
+  native cuda backend; loading needs no TVM.
+- tvm-rocm: AMDGPU code objects through TVM's LLVM (see rocm_build.py for what works).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from dflash_ir.interpreter import WeightLoader
+from dflash_ir.ir import Graph
+
+from ..base import Backend, BackendUnavailable, register_backend
+from ..plan import Launch, Plan, Step
+from ..runner import DeviceProgram, Resident
+from . import version
+from .build import TARGETS, DeviceKernel, build_gpu, build_llvm, digest
+from .lowering import lower
+
+
+def gpu_plan(plan: Plan, launches: Mapping[str, list[DeviceKernel]]) -> Plan:
+    """`plan` with each PrimFunc launch replaced by its device kernels' launches."""
+    def expand(launch: Launch):
+        for k in launches[launch.kernel]:
+            yield Launch(k.name, tuple(launch.buffers[i] for i in k.buffers), k.ints, k.groups, k.local, launch.when)
+
+    steps = [Step(s.node, tuple(l for launch in s.launches for l in expand(launch)), s.constant, s.temps)
+             for s in plan.steps]
+    return Plan(plan.graph, {}, steps, dict(plan.aliases), dict(plan.temps), list(plan.checks))
+
+
+class TVMBackend(Backend):
+    target = ""
+    native = ""  # the native backend whose runtime runs these kernels (none: tvm-llvm)
+
+    def __init__(self):
+        self._resident = Resident()
+
+    def unavailable_reason(self) -> str | None:
+        from ..base import get_backend
+
+        return get_backend(self.native).unavailable_reason() if self.native else version.unavailable_reason()
+
+    def device_description(self) -> str:
+        from ..base import get_backend
+
+        return f"{get_backend(self.native).device_description()}, kernels by TVM {version.PINNED}"
+
+    def pin(self) -> dict[str, Any]:
+        return {"version": version.PINNED, "target": TARGETS[self.target]}
+
+    def require_tvm(self) -> None:
+        reason = version.unavailable_reason()
+        if reason:
+            raise BackendUnavailable(f"backend {self.name!r} cannot compile here: {reason}")
+
+    def check_entry(self, entry: Mapping[str, Any]) -> None:
+        """Refuse an entry this installation cannot load (device source needs no TVM: nothing to check)."""
+
+    def load(self, graph: Graph, entry: Mapping[str, Any], artifact_dir: Path, weights: WeightLoader) -> DeviceProgram:
+        self.check_entry(entry)
+        self.require()
+        device = self.device_for(entry, Path(artifact_dir))
+        return DeviceProgram(graph, Plan.from_dict(entry["plan"]), device, weights, self._resident)
+
+    def device_for(self, entry: Mapping[str, Any], artifact_dir: Path):
+        raise NotImplementedError
+
+
+@register_backend
+class TVMLLVMBackend(TVMBackend):
+    name = "tvm-llvm"
+    target = "llvm"
+
+    def device_description(self) -> str:
+        return f"host CPU through the TVM {version.PINNED} runtime (LLVM)"
+
+    def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
+        self.require_tvm()
+        plan, kernels = lower(graph)
+        library = build_llvm(kernels)
+        path = Path(out_dir) / "kernels" / f"tvm-llvm-{digest(library)}.so"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            path.write_bytes(library)
+        table = {n: {"params": [[p.dtype, p.size] for p in k.params], "ints": list(k.ints)} for n, k in kernels.items()}
+        return {"tvm": self.pin(), "library": str(path.relative_to(out_dir)), "kernels": table, "plan": plan.to_dict()}
+
+    def check_entry(self, entry: Mapping[str, Any]) -> None:
+        version.check_artifact(entry)
+
+    def device_for(self, entry: Mapping[str, Any], artifact_dir: Path):
+        from .host import HostDevice
+
+        return HostDevice(artifact_dir / entry["library"], entry["kernels"])
+
+
+class TVMGPUBackend(TVMBackend):
+    """Device source from TVM; compile = write it (and what the device compiler makes of it)."""
+
+    extension = ""
+
+    def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
+        self.require_tvm()
+        plan, kernels = lower(graph)
+        source, launches = build_gpu(self.target, kernels)
+        path = Path(out_dir) / "kernels" / f"tvm-{self.target}-{digest(source)}.{self.extension}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            path.write_text(source)
+        files = self.build_files(source, path)
+        return {"tvm": self.pin(), "source": str(path.relative_to(out_dir)), **files,
+                "plan": gpu_plan(plan, launches).to_dict()}
+
+    def build_files(self, source: str, path: Path) -> dict[str, Any]:
+        return {}
+
+
+@register_backend
+class TVMOpenCLBackend(TVMGPUBackend):
+    name = "tvm-opencl"
+    target = "opencl"
+    extension = "cl"
+
+    native = "opencl"
+
+    def build_files(self, source: str, path: Path) -> dict[str, Any]:
+        if source and self.unavailable_reason() is None:
+            from .cl_device import program
+
+            program(source)
+        return {}
+
+    def device_for(self, entry: Mapping[str, Any], artifact_dir: Path):
+        from .cl_device import TVMCLDevice
+
+        return TVMCLDevice((artifact_dir / entry["source"]).read_text())
+
+
+@register_backend
+class TVMCUDABackend(TVMGPUBackend):
+    name = "tvm-cuda"
+    target = "cuda"
+    extension = "cu"
+
+    native = "cuda"
+
+    def build_files(self, source: str, path: Path) -> dict[str, Any]:
+        from ..cuda import CUDABackend
+
+        return CUDABackend().build_files(source, path)
+
+    def device_for(self, entry: Mapping[str, Any], artifact_dir: Path):
+        from ..cuda import CUDABackend
+
+        return CUDABackend().device_for(entry, artifact_dir)
+
+
+@register_backend
+class TVMROCmBackend(TVMBackend):
+    """Compiles where an ld.lld that links TVM's AMDGPU code objects exists (rocm_build.py says
+    what works with Debian's ROCm 5.2 toolchain); runs on the native rocm backend's runtime."""
+
+    name = "tvm-rocm"
+    target = "rocm"
+
+    native = "rocm"
+
+    def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
+        from ..toolchain import hip_archs
+        from .build import scheduled_device
+        from .rocm_build import amdgpu_object, link, ocml_f64
+
+        self.require_tvm()
+        archs = hip_archs()
+        if not archs:
+            raise BackendUnavailable("no ROCm device libraries for gfx90a or gfx1030 found (Debian package "
+                                     "rocm-device-libs)")
+        plan, kernels = lower(graph)
+        if not kernels:
+            raise BackendUnavailable(f"{graph.name} launches no kernel: tvm-rocm makes no code object for it")
+        mod, _, _, launches = scheduled_device({**TARGETS["rocm"], "mcpu": archs[0]}, kernels, ocml_f64)
+        files = {}
+        for arch in archs:
+            hsaco = link(amdgpu_object(mod, arch))
+            path = Path(out_dir) / "kernels" / f"tvm-rocm-{digest(hsaco)}.{arch}.hsaco"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(hsaco)
+            files[arch] = str(path.relative_to(out_dir))
+        return {"tvm": self.pin(), "hsaco": files, "plan": gpu_plan(plan, launches).to_dict()}
+
+    def device_for(self, entry: Mapping[str, Any], artifact_dir: Path):
+        from ..rocm import ROCmBackend
+
+        return ROCmBackend().device_for(entry, artifact_dir)

@@ -1,0 +1,53 @@
+"""The `tvm-llvm` run-time device: numpy byte buffers on the host, kernels called through
+the TVM runtime from the artifact's shared library. Each launch views its byte buffers as
+the flat typed tensors the PrimFunc declares (zero-copy, via DLPack), so memory planning,
+checks and states stay the runner's."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..plan import compile_expr
+
+ALIGN = 64  # TVM's LLVM code may assume 64-byte aligned buffers
+
+
+class HostDevice:
+    def __init__(self, library: Path, kernels: Mapping[str, Mapping[str, Any]]):
+        import tvm
+        import tvm_ffi
+
+        self._from_dlpack = tvm_ffi.from_dlpack
+        self.module = tvm.runtime.load_module(str(library))
+        self._specs = {name: ([(np.dtype(dtype), compile_expr(size)) for dtype, size in k["params"]], tuple(k["ints"]))
+                       for name, k in kernels.items()}
+        self._funcs: dict[str, Any] = {}
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % ALIGN
+        return raw[start:start + nbytes]
+
+    def upload(self, buf: np.ndarray, array: np.ndarray) -> None:
+        buf[:array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+    def download(self, buf: np.ndarray, array: np.ndarray) -> None:
+        array.reshape(-1).view(np.uint8)[:] = buf[:array.nbytes]
+
+    def copy(self, src: np.ndarray, src_offset: int, dst: np.ndarray, dst_offset: int, nbytes: int) -> None:
+        """Buffer to buffer (lets the runner keep states in device buffers between calls)."""
+        dst[dst_offset:dst_offset + nbytes] = src[src_offset:src_offset + nbytes]
+
+    def launch(self, kernel: str, groups, local, args) -> None:
+        params, names = self._specs[kernel]
+        ints = [int(a) for a in args[len(params):]]
+        env = dict(zip(names, ints))
+        tensors = []
+        for (dtype, size), buf in zip(params, args):
+            n = size(env)
+            tensors.append(self._from_dlpack(buf[:n * dtype.itemsize].view(dtype)))
+        if kernel not in self._funcs:
+            self._funcs[kernel] = self.module[kernel]
+        self._funcs[kernel](*tensors, *ints)

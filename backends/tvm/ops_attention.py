@@ -1,0 +1,114 @@
+"""Attention over a fixed-capacity KV cache, the cache write and the fused attention layer.
+
+Attention is four reduction blocks and a scaling block over per-node temporaries (scores,
+row max, row sum): kv_len is read on the device, so one kernel serves every cache fill,
+and masked keys contribute an exact 0 (never 0 * whatever the unused cache rows hold)."""
+from __future__ import annotations
+
+from dflash_ir.dtypes import DType
+from dflash_ir.ir import Value
+from dflash_ir.types import TensorType
+
+from ..lowering import attention_epilogue, attention_prologue
+from .lowering import TVMNodeCtx, lowers
+from .tir import block, dim, f32, prod
+
+
+def attention_kernels(ctx: TVMNodeCtx, q: Value, k: Value, v: Value, kv_len: Value, out: Value, *, scale: float,
+                      causal: bool, window: int) -> None:
+    t, hq, d = q.type.shape
+    cap, hkv, _ = k.type.shape
+    dv = v.type.shape[2]
+    ctx.check("attention", kv_len, size=dim(cap), rows=dim(t), flags=("ordered",) if causal or window else ())
+    T, C, D, DV, group = dim(t), dim(cap), dim(d), dim(dv), hq // hkv
+    n = f"T.min(kv_len[0], {C})"
+    conds = [f"j < {n}"]
+    if causal:
+        conds.append(f"j <= {n} - {T} + row")
+    if window:
+        conds.append(f"j > {n} - {T} + row - {window}")
+    visible = conds[0]
+    for c in conds[1:]:
+        visible = f"T.And({visible}, {c})"
+    scores = ctx.temp(TensorType(DType.F32, (t, hq, cap)))
+    m, l = (ctx.temp(TensorType(DType.F32, (t, hq))) for _ in range(2))
+    line, cell = f"row * {hq} + h", f"(row * {hq} + h) * {C} + j"
+    ctx.kernel("attention_scores", [("q", q, False), ("k", k, False), ("s", scores, True)],
+               block([("row", T), ("h", str(hq)), ("j", C)],
+                     f"s[{cell}] = s[{cell}] + q[({line}) * {D} + e] * k[(j * {hkv} + h // {group}) * {D} + e]",
+                     reduce=[("e", D)], init=f"s[{cell}] = T.float32(0)"))
+    score = f"s[{cell}] * {f32(scale)}"
+    ctx.kernel("attention_max", [("kv_len", kv_len, False), ("s", scores, False), ("m", m, True)],
+               block([("row", T), ("h", str(hq))], f"m[{line}] = T.max(m[{line}], T.if_then_else({visible}, {score}, "
+                     f"{f32(float('-inf'))}))", reduce=[("j", C)], init=f"m[{line}] = {f32(float('-inf'))}"))
+    p = f"T.exp({score} - m[{line}])"
+    ctx.kernel("attention_sum", [("kv_len", kv_len, False), ("s", scores, False), ("m", m, False), ("l", l, True)],
+               block([("row", T), ("h", str(hq))], f"l[{line}] = l[{line}] + T.if_then_else({visible}, {p}, T.float32(0))",
+                     reduce=[("j", C)], init=f"l[{line}] = T.float32(0)"))
+    o = f"({line}) * {DV} + c"
+    acc = ctx.temp(out.type)
+    ctx.kernel("attention_values", [("kv_len", kv_len, False), ("s", scores, False), ("m", m, False), ("v", v, False),
+                                    ("acc", acc, True)],
+               block([("row", T), ("h", str(hq)), ("c", DV)],
+                     f"acc[{o}] = acc[{o}] + T.if_then_else({visible}, {p} * v[(j * {hkv} + h // {group}) * {DV} + c], "
+                     f"T.float32(0))", reduce=[("j", C)], init=f"acc[{o}] = T.float32(0)"))
+    ctx.kernel("attention_normalise", [("l", l, False), ("acc", acc, False), ("out", out, True)],
+               block([("row", T), ("h", str(hq)), ("c", DV)], f"out[{o}] = acc[{o}] / l[{line}]"))
+
+
+@lowers("attention")
+def attention(ctx: TVMNodeCtx) -> None:
+    a = ctx.attr
+    attention_kernels(ctx, *ctx.ins, ctx.outs[0], scale=a["scale"], causal=a.get("causal", True),
+                      window=a.get("window", 0))
+
+
+def copy(ctx: TVMNodeCtx, src: Value, dst: Value) -> None:
+    ctx.kernel("copy", [("x", src, False), ("out", dst, True)], block([("i", prod(src.type.shape))], "out[i] = x[i]"))
+
+
+def write_rows(ctx: TVMNodeCtx, new: Value, pos: Value, cache: Value) -> None:
+    """cache rows [pos, pos + T) = new; rows past the capacity are dropped (the host check
+    reports the overflow first)."""
+    row = prod(cache.type.shape[1:])
+    limit = f"{dim(cache.type.shape[0])} * {row}"
+    body = f"if T.And(pos[0] >= 0, pos[0] * {row} + i < {limit}):\n    out[pos[0] * {row} + i] = new_rows[i]"
+    ctx.sequential("kv_write", [("new_rows", new, False), ("pos", pos, False), ("out", cache, True)],
+                   [("i", prod(new.type.shape))], body)
+
+
+@lowers("kv_write")
+def kv_write(ctx: TVMNodeCtx) -> None:
+    """In place when nothing else reads the old cache (the usual case), else into a copy."""
+    cache, new, pos = ctx.ins
+    out = ctx.outs[0]
+    ctx.check("kv_write", pos, size=dim(cache.type.shape[0]), rows=dim(new.type.shape[0]))
+    if ctx.can_overwrite(cache):
+        ctx.alias(out, cache)
+    else:
+        copy(ctx, cache, out)
+    write_rows(ctx, new, pos, out)
+
+
+@lowers("fused_attention")
+def fused_attention(ctx: TVMNodeCtx) -> None:
+    """rmsnorm + rope of q and k, the cache writes (in place with `persist`, else into
+    per-node copies of the caches), attention, then the optional sigmoid output gate."""
+    q, k, v, _, _, _, pos, kv_len, k_cache, v_cache = ctx.ins
+    a = ctx.attr
+    rows, heads = q.type.shape[:2]
+    q_rot, k_rot = attention_prologue(ctx)
+    o = ctx.temp(TensorType(DType.F32, (rows, heads, v.type.shape[2])))
+    kw = dict(scale=a["scale"], causal=a.get("causal", True), window=a.get("window", 0))
+    if a.get("persist", True):
+        k_all, v_all = ctx.outs[1:]
+        ctx.sub("kv_write", k_cache, k_rot, pos, outputs=[k_all])
+        ctx.sub("kv_write", v_cache, v, pos, outputs=[v_all])
+    else:
+        ctx.check("kv_write", pos, size=dim(k_cache.type.shape[0]), rows=dim(rows))
+        k_all, v_all = ctx.temp(k_cache.type), ctx.temp(v_cache.type)
+        for cache, new, dst in ((k_cache, k_rot, k_all), (v_cache, v, v_all)):
+            copy(ctx, cache, dst)
+            write_rows(ctx, new, pos, dst)
+    attention_kernels(ctx, q_rot, k_all, v_all, kv_len, o, **kw)
+    attention_epilogue(ctx, o)

@@ -1,0 +1,67 @@
+"""Elementwise ops as one spatial block over the output, broadcasting resolved into indices."""
+from __future__ import annotations
+
+from dflash_ir.dtypes import DType
+
+from .lowering import TVMNodeCtx, lowers
+from .tir import block, broadcast, dim, f32, flat, float_to_half, half_to_float, sigmoid
+
+
+def axes(shape) -> list[tuple[str, str]]:
+    """(block var, extent) per output dim."""
+    return [(f"v{a}", dim(d)) for a, d in enumerate(shape)]
+
+
+_BINARY = {"add": lambda a, b: f"{a} + {b}", "sub": lambda a, b: f"{a} - {b}", "mul": lambda a, b: f"{a} * {b}",
+           "div": lambda a, b: f"{a} / {b}", "swiglu": lambda a, b: f"{a} * {sigmoid(a)} * {b}",
+           "sigmoid_gate": lambda a, b: f"{a} * {sigmoid(b)}"}
+_UNARY = {"neg": lambda a: f"-{a}", "exp": lambda a: f"T.exp({a})", "sigmoid": sigmoid,
+          "silu": lambda a: f"{a} * {sigmoid(a)}",
+          "softplus": lambda a: f"T.max({a}, T.float32(0)) + T.log(T.float32(1) + T.exp(-T.fabs({a})))"}
+
+
+def spatial(ctx: TVMNodeCtx, op: str, inputs, out, value) -> None:
+    """out[i] = value(read) where read(n) is input n at out's coords (broadcast)."""
+    shape = out.type.shape
+    grid = axes(shape)
+    coords = [v for v, _ in grid]
+
+    def read(n: int) -> str:
+        return f"x{n}[{broadcast(coords, shape, inputs[n].type.shape)}]"
+
+    body = f"out[{flat(coords, shape)}] = {value(read)}"
+    ctx.kernel(op, [(f"x{n}", v, False) for n, v in enumerate(inputs)] + [("out", out, True)], block(grid, body))
+
+
+@lowers(*_BINARY)
+def binary(ctx: TVMNodeCtx) -> None:
+    fn = _BINARY[ctx.node.op]
+    spatial(ctx, ctx.node.op, ctx.ins, ctx.outs[0], lambda r: fn(r(0), r(1)))
+
+
+@lowers(*_UNARY)
+def unary(ctx: TVMNodeCtx) -> None:
+    fn = _UNARY[ctx.node.op]
+    spatial(ctx, ctx.node.op, ctx.ins, ctx.outs[0], lambda r: fn(r(0)))
+
+
+@lowers("scale")
+def scale(ctx: TVMNodeCtx) -> None:
+    spatial(ctx, "scale", ctx.ins, ctx.outs[0], lambda r: f"{r(0)} * {f32(ctx.attr['factor'])}")
+
+
+_CAST = {DType.F32: "float32", DType.I32: "int32", DType.I64: "int64"}
+
+
+@lowers("cast")
+def cast(ctx: TVMNodeCtx) -> None:
+    """f16 values are bits: converted exactly (to f32) or rounded to nearest even (from f32)."""
+    src, dst = ctx.ins[0].type.dtype, ctx.outs[0].type.dtype
+    if src is dst:
+        spatial(ctx, "copy", ctx.ins, ctx.outs[0], lambda r: r(0))
+    elif src is DType.F16:
+        spatial(ctx, "cast", ctx.ins, ctx.outs[0], lambda r: f'T.Cast("{_CAST[dst]}", {half_to_float(r(0))})')
+    elif dst is DType.F16:
+        spatial(ctx, "cast", ctx.ins, ctx.outs[0], lambda r: float_to_half(f'T.Cast("float32", {r(0)})'))
+    else:
+        spatial(ctx, "cast", ctx.ins, ctx.outs[0], lambda r: f'T.Cast("{_CAST[dst]}", {r(0)})')

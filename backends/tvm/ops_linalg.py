@@ -1,0 +1,95 @@
+"""Weight-consuming ops: dequantize, embedding, matmul (f32/f16/bf16/Q8_0 weights read in
+their storage: Q8_0 blocks of an f16 scale + 32 int8 quants), the specialised matmuls
+(optional residual; act_quant quantises x to Q8_0 blocks first, as quantize_row_q8_0) and
+expert_matmul. Products are reduction blocks, which dlight's GEMV / matmul rules schedule."""
+from __future__ import annotations
+
+from dflash_ir.dtypes import DType
+from dflash_ir.types import TensorType
+
+from .lowering import TVMNodeCtx, lowers
+from .tir import block, dim, float_to_half, half_to_float, prod, q8_quant, q8_scale, round_half_away, weight_at
+
+
+@lowers("dequantize")
+def dequantize(ctx: TVMNodeCtx) -> None:
+    w = ctx.ins[0]
+    k = w.type.shape[-1]
+    ctx.kernel("dequantize", [("w", w, False), ("out", ctx.outs[0], True)],
+               block([("r", prod(w.type.shape[:-1])), ("c", dim(k))],
+                     f"out[r * {dim(k)} + c] = {weight_at(w.type.dtype, 'w', 'r', 'c', k)}"))
+
+
+@lowers("embedding")
+def embedding(ctx: TVMNodeCtx) -> None:
+    table, ids = ctx.ins
+    k = table.type.shape[1]
+    ctx.check("index", ids, size=dim(table.type.shape[0]))
+    ctx.kernel("embedding", [("table", table, False), ("ids", ids, False), ("out", ctx.outs[0], True)],
+               block([("t", prod(ids.type.shape)), ("c", dim(k))],
+                     f"out[t * {dim(k)} + c] = {weight_at(table.type.dtype, 'table', 'ids[t]', 'c', k)}"))
+
+
+def _product(ctx: TVMNodeCtx, op: str, buffers, m: str, n, k, term: str, out) -> None:
+    """out[row, col] = sum over c of `term` (an expression of row, col, c)."""
+    ctx.kernel(op, buffers + [("out", out, True)],
+               block([("row", m), ("col", dim(n))], f"out[row * {dim(n)} + col] = out[row * {dim(n)} + col] + {term}",
+                     reduce=[("c", dim(k))], init=f"out[row * {dim(n)} + col] = T.float32(0)"))
+
+
+def _residual(ctx: TVMNodeCtx, product, residual, m: str, n) -> None:
+    ctx.kernel("add_residual", [("product", product, False), ("residual", residual, False), ("out", ctx.outs[0], True)],
+               block([("i", f"{m} * {dim(n)}")], "out[i] = product[i] + residual[i]"))
+
+
+@lowers("matmul", "matmul_q8_0", "matmul_f16")
+def matmul(ctx: TVMNodeCtx) -> None:
+    """x @ wᵀ [+ residual]: the specialised forms' `form` attr is a hint the rows decide."""
+    x, w, *res = ctx.ins
+    n, k = w.type.shape
+    m = prod(x.type.shape[:-1])
+    K = dim(k)
+    product = ctx.temp(ctx.outs[0].type) if res else ctx.outs[0]  # then out = product + residual
+    if ctx.attr.get("act_quant", False):
+        _act_quant_product(ctx, x, w, m, n, k, product)
+    else:
+        term = f"x[row * {K} + c] * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
+        _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product)
+    if res:
+        _residual(ctx, product, res[0], m, n)
+
+
+def _act_quant_product(ctx: TVMNodeCtx, x, w, m: str, n, k: int, out) -> None:
+    """x quantised per 32-block (scale rounded to f16, quants round-half-away), then the
+    Q8_0 x Q8_0 product of quants times both scales."""
+    blocks = k // 32
+    xq = ctx.temp(TensorType(DType.F32, tuple(x.type.shape)))
+    xd = ctx.temp(TensorType(DType.F32, tuple(x.type.shape[:-1]) + (blocks,)))
+    at = f"x[row * {k} + b * 32 + e]"
+    q = round_half_away(f"{at} * s[2]")
+    body = ("s[0] = T.float32(0)\n"
+            f"for e in range(32):\n    s[0] = T.max(s[0], T.fabs({at}))\n"
+            "s[1] = s[0] / T.float32(127)\n"
+            "s[2] = T.if_then_else(s[1] == T.float32(0), T.float32(0), T.float32(1) / s[1])\n"
+            f"for e in range(32):\n    xq[row * {k} + b * 32 + e] = {q}\n"
+            f"xd[row * {blocks} + b] = {half_to_float(float_to_half('s[1]'))}")
+    ctx.sequential("quantize_q8_0", [("x", x, False), ("xq", xq, True), ("xd", xd, True)],
+                   [("row", m), ("b", str(blocks))], body, [("s", 3)])
+    term = (f"xq[row * {k} + c] * {q8_quant('w', 'col', 'c', k)} * xd[row * {blocks} + c // 32] * "
+            f"{q8_scale('w', 'col', 'c // 32', k)}")
+    _product(ctx, "matmul_act_q8_0", [("xq", xq, False), ("xd", xd, False), ("w", w, False)], m, n, k, term, out)
+
+
+@lowers("expert_matmul")
+def expert_matmul(ctx: TVMNodeCtx) -> None:
+    """out[t, s] = x[t (, s)] @ w[ids[t, s]]ᵀ: only the selected expert's rows are read."""
+    x, w, ids = ctx.ins
+    out = ctx.outs[0]
+    _, n, k = w.type.shape
+    slots = dim(ids.type.shape[1])
+    N, K = dim(n), dim(k)
+    xrow = f"(p // {slots})" if x.type.rank == 2 else "p"
+    term = f"x[{xrow} * {K} + c] * {weight_at(w.type.dtype, 'w', f'ids[p] * {N} + col', 'c', k)}"
+    ctx.kernel("expert_matmul", [("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)],
+               block([("p", prod(ids.type.shape)), ("col", N)], f"out[p * {N} + col] = out[p * {N} + col] + {term}",
+                     reduce=[("c", K)], init=f"out[p * {N} + col] = T.float32(0)"))

@@ -1,0 +1,114 @@
+"""Rotary embedding and the Gated DeltaNet state ops.
+
+rope: one element per block point; the f32 inverse frequency is computed in the kernel as
+the reference rounds it (f32 exponent, f64 power, f32 result) and cos/sin are taken in f64
+of the f32 angle, as the reference does. causal_conv1d: a reduction block for y and copies
+for the new (and per-row) states. gated_delta_rule: one sequential point per state column
+(v head, value dim) keeping S[:, col] in local memory while it walks the rows."""
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_ir.ops.position import frequency_components
+
+from .lowering import TVMNodeCtx, lowers
+from .tir import block, dim, f32, weight_at
+
+
+def _select(index: str, values) -> str:
+    """values[index] for a small constant table, as a chain of selects over its runs."""
+    runs = []
+    for j, v in enumerate(values):
+        if runs and runs[-1][1] == v:
+            runs[-1][0] = j + 1
+        else:
+            runs.append([j + 1, v])
+    expr = str(int(runs[-1][1]))
+    for end, v in reversed(runs[:-1]):
+        expr = f"T.if_then_else({index} < {end}, {int(v)}, {expr})"
+    return expr
+
+
+@lowers("rope")
+def rope(ctx: TVMNodeCtx) -> None:
+    x, pos = ctx.ins
+    t, h, d = x.type.shape
+    n_rot = ctx.attr["n_rot"]
+    half = n_rot // 2
+    theta = float(np.float64(np.float32(ctx.attr["theta"])))
+    components = frequency_components(half, tuple(ctx.attr.get("sections", ())), ctx.attr.get("interleaved", False))
+    D, H = dim(d), dim(h)
+    j = f"T.if_then_else(dd < {half}, dd, dd - {half})"
+    inv_freq = (f'(T.float32(1) / T.Cast("float32", T.pow(T.float64({theta!r}), '
+                f'T.Cast("float64", T.Cast("float32", 2 * {j}) / T.float32({n_rot})))))')
+    if pos.type.rank == 2:
+        position = f"pos[ti * {dim(pos.type.shape[1])} + {_select(j, components)}]"
+    else:
+        position = "pos[ti]"
+    angle = f'T.Cast("float64", T.Cast("float32", {position}) * {inv_freq})'
+    c, s = f'T.Cast("float32", T.cos({angle}))', f'T.Cast("float32", T.sin({angle}))'
+    base = f"(ti * {H} + hi) * {D}"
+    lo, hi = f"x[{base} + {j}]", f"x[{base} + {j} + {half}]"
+    value = (f"T.if_then_else(dd >= {n_rot}, x[{base} + dd], T.if_then_else(dd < {half}, {lo} * {c} - {hi} * {s}, "
+             f"{hi} * {c} + {lo} * {s}))")
+    ctx.kernel("rope", [("x", x, False), ("pos", pos, False), ("out", ctx.outs[0], True)],
+               block([("ti", dim(t)), ("hi", H), ("dd", D)], f"out[{base} + dd] = {value}"))
+
+
+@lowers("causal_conv1d")
+def causal_conv1d(ctx: TVMNodeCtx) -> None:
+    """Over xx = concat(state, x): y[t, c] = sum_j w[c, j] xx[t + j, c]; the new state is
+    xx's last K-1 rows, row state t the K-1 rows after row t."""
+    x, w, state = ctx.ins
+    y, new_state, *rows = ctx.outs
+    t, c = x.type.shape
+    width = w.type.shape[1]
+    T, C, K1 = dim(t), dim(c), width - 1
+
+    def xx(r: str) -> str:
+        return (f"T.if_then_else({r} < {K1}, state[T.min({r}, {K1 - 1}) * {C} + ch], "
+                f"x[T.max({r} - {K1}, 0) * {C} + ch])")
+
+    sources = [("x", x, False), ("state", state, False)]
+    ctx.kernel("causal_conv1d", sources + [("w", w, False), ("y", y, True)],
+               block([("row", T), ("ch", C)],
+                     f"y[row * {C} + ch] = y[row * {C} + ch] + {xx('row + j')} * {weight_at(w.type.dtype, 'w', 'ch', 'j', width)}",
+                     reduce=[("j", str(width))], init=f"y[row * {C} + ch] = T.float32(0)"))
+    ctx.kernel("conv_state", sources + [("new_state", new_state, True)],
+               block([("e", str(K1)), ("ch", C)], f"new_state[e * {C} + ch] = {xx(f'{T} + e')}"))
+    if rows:
+        ctx.kernel("conv_row_states", sources + [("row_states", rows[0], True)],
+                   block([("row", T), ("e", str(K1)), ("ch", C)],
+                         f"row_states[(row * {K1} + e) * {C} + ch] = {xx('row + 1 + e')}"))
+
+
+@lowers("gated_delta_rule")
+def gated_delta_rule(ctx: TVMNodeCtx) -> None:
+    """S <- e^g S; S <- S + k (beta (v - Sᵀk))ᵀ; o = Sᵀ(q scale), per state column. The
+    chunked form (chunk_size > 0) is the same recurrence, so it runs this kernel too."""
+    q, k, v, g, beta, state = ctx.ins
+    o, new_state, *rows = ctx.outs
+    t, hk, dk = q.type.shape
+    hv, dv = v.type.shape[1], v.type.shape[2]
+    T, DK, DV = dim(t), dim(dk), dim(dv)
+    kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h // {hv // hk}"
+    cell = f"(h * {DK} + e) * {DV} + col"
+    qk = f"(ti * {hk} + {kh}) * {DK} + e"
+    tv = f"ti * {hv} + h"
+    emit = (f"    for e in range({DK}):\n        row_states[(ti * {hv} + h) * {DK} * {DV} + e * {DV} + col] = S[e]\n"
+            if rows else "")
+    body = (f"for e in range({DK}):\n    S[e] = state[{cell}]\n"
+            f"for ti in range({T}):\n"
+            f"    for e in range({DK}):\n        S[e] = S[e] * T.exp(g[{tv}])\n"
+            f"    a[0] = T.float32(0)\n"
+            f"    for e in range({DK}):\n        a[0] = a[0] + S[e] * k[{qk}]\n"
+            f"    a[1] = beta[{tv}] * (v[({tv}) * {DV} + col] - a[0])\n"
+            f"    a[2] = T.float32(0)\n"
+            f"    for e in range({DK}):\n        S[e] = S[e] + k[{qk}] * a[1]\n"
+            f"        a[2] = a[2] + S[e] * (q[{qk}] * {f32(ctx.attr['scale'])})\n"
+            f"    o[({tv}) * {DV} + col] = a[2]\n{emit}"
+            f"for e in range({DK}):\n    new_state[{cell}] = S[e]")
+    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
+               ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
+    ctx.sequential("gated_delta_rule", buffers + [("row_states", r, True) for r in rows],
+                   [("h", str(hv)), ("col", DV)], body, [("S", dk), ("a", 3)])

@@ -1,0 +1,218 @@
+"""TensorIR kernel text: one PrimFunc per kernel, written as TVMScript with the node's
+concrete dims baked in and symbolic dims as int params `n_<symbol>`.
+
+Every buffer is a flat 1-D view of the value's storage (like the native kernels' pointers),
+so the runner's byte buffers map onto PrimFunc params without reshaping. A kernel holds one
+sblock: spatial axes (and reduction axes, for dlight's reduction rules) over a body of
+TVMScript statements; `sequential` blocks carry serial loops and local scratch in their
+body and are scheduled by hand on GPU targets (one thread per spatial point).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from dflash_ir.dtypes import DType
+from dflash_ir.ir import Value
+from dflash_ir.types import Dim
+
+from ..plan import symbol_param
+
+# f16 is stored and moved as its bits (PoCL has no cl_khr_fp16); half_to_float / float_to_half convert
+TVM_DTYPES = {DType.F32: "float32", DType.F16: "uint16", DType.BF16: "uint16", DType.Q8_0: "uint8",
+              DType.I32: "int32", DType.I64: "int64", DType.BOOL: "uint8"}
+
+
+def dim(d: Dim) -> str:
+    return str(d) if isinstance(d, int) else symbol_param(d)
+
+
+def prod(dims: Sequence[Dim]) -> str:
+    """Product of dims as an expression (ints folded; "1" when empty)."""
+    const = 1
+    names = []
+    for d in dims:
+        if isinstance(d, int):
+            const *= d
+        else:
+            names.append(dim(d))
+    if not names:
+        return str(const)
+    return "(" + " * ".join(names + ([str(const)] if const != 1 else [])) + ")"
+
+
+def storage_size(v: Value) -> str:
+    """Elements of the value's storage (Q8_0: bytes) as a size expression."""
+    shape = v.type.shape
+    if v.type.dtype is DType.Q8_0:
+        return prod(shape[:-1] + (shape[-1] // 32 * 34,))
+    return prod(shape)
+
+
+def flat(coords: Sequence[str], dims: Sequence[Dim]) -> str:
+    """Row-major flat index of `coords` in a tensor of `dims`."""
+    expr = ""
+    for c, d in zip(coords, dims):
+        expr = c if not expr else f"({expr}) * {dim(d)} + {c}"
+    return expr or "0"
+
+
+def broadcast(coords: Sequence[str], out: Sequence[Dim], src: Sequence[Dim]) -> str:
+    """Flat index into `src` at output coords, numpy broadcasting `src` to `out`."""
+    lead = len(out) - len(src)
+    return flat([coords[lead + a] if d != 1 else "0" for a, d in enumerate(src)], src)
+
+
+def f32(x: float) -> str:
+    """An exact float32 literal."""
+    import numpy as np
+
+    v = np.float32(x)
+    if np.isinf(v):
+        return "T.float32('inf')" if v > 0 else "T.float32('-inf')"
+    return f"T.float32({float(v)!r})"
+
+
+def sigmoid(a: str) -> str:
+    """The reference's stable sigmoid (dflash_ir.ops.elementwise.sigmoid_f32)."""
+    e = f"T.exp(-T.fabs({a}))"
+    return f"T.if_then_else({a} >= T.float32(0), T.float32(1) / (T.float32(1) + {e}), {e} / (T.float32(1) + {e}))"
+
+
+def round_half_away(v: str) -> str:
+    """C roundf in f32 arithmetic: v - trunc(v) is exact, so the half test is too."""
+    return (f"(T.trunc({v}) + T.if_then_else(T.fabs({v} - T.trunc({v})) >= T.float32(0.5), "
+            f"T.if_then_else({v} >= T.float32(0), T.float32(1), T.float32(-1)), T.float32(0)))")
+
+
+def weight_at(dtype: DType, buf: str, row: str, col: str, k: Dim) -> str:
+    """f32 value of element (row, col) of `buf` stored as `dtype` with rows of k elements."""
+    if dtype is DType.F32:
+        return f"{buf}[({row}) * {dim(k)} + {col}]"
+    if dtype is DType.F16:
+        return half_to_float(f"{buf}[({row}) * {dim(k)} + {col}]")
+    if dtype is DType.BF16:
+        return f'T.reinterpret("float32", T.shift_left(T.Cast("uint32", {buf}[({row}) * {dim(k)} + {col}]), T.uint32(16)))'
+    if dtype is DType.Q8_0:
+        return f"({q8_scale(buf, row, f'({col}) // 32', k)} * {q8_quant(buf, row, col, k)})"
+    raise ValueError(f"{dtype} is not a weight dtype")
+
+
+def q8_block(row: str, block: str, k: Dim) -> str:
+    return f"({row}) * {k // 32 * 34} + ({block}) * 34"
+
+
+def q8_scale(buf: str, row: str, block: str, k: Dim) -> str:
+    at = q8_block(row, block, k)
+    return half_to_float(f'T.bitwise_or(T.Cast("uint16", {buf}[{at}]), T.shift_left(T.Cast("uint16", {buf}[{at} + 1]), T.uint16(8)))')
+
+
+def _u32(v: int) -> str:
+    return f"T.uint32({v})"
+
+
+def half_to_float(bits: str) -> str:
+    """f32 value of f16 bits (a uint16 expression): exact, subnormals, inf and NaN included."""
+    h = f'T.Cast("uint32", {bits})'
+    sign = f"T.shift_left(T.bitwise_and({h}, {_u32(0x8000)}), {_u32(16)})"
+    exp = f"T.bitwise_and(T.shift_right({h}, {_u32(10)}), {_u32(0x1F)})"
+    mant = f"T.bitwise_and({h}, {_u32(0x3FF)})"
+    normal = (f'T.reinterpret("float32", T.bitwise_or({sign}, T.bitwise_or(T.shift_left(T.if_then_else({exp} == {_u32(31)}, '
+              f'{_u32(255)}, {exp} + {_u32(112)}), {_u32(23)}), T.shift_left({mant}, {_u32(13)}))))')
+    tiny = f'T.Cast("float32", {mant}) * T.float32({2.0 ** -24!r})'
+    signed_tiny = f"T.if_then_else({sign} != {_u32(0)}, -{tiny}, {tiny})"
+    return f"T.if_then_else({exp} == {_u32(0)}, {signed_tiny}, {normal})"
+
+
+def float_to_half(x: str) -> str:
+    """f16 bits (uint16) of an f32 expression, rounded to nearest even as numpy does."""
+    b = f'T.reinterpret("uint32", {x})'
+    sign = f"T.bitwise_and(T.shift_right({b}, {_u32(16)}), {_u32(0x8000)})"
+    e = f"T.bitwise_and(T.shift_right({b}, {_u32(23)}), {_u32(0xFF)})"
+    m = f"T.bitwise_and({b}, {_u32(0x7FFFFF)})"
+
+    def rne(value: str, rem: str, half: str) -> str:
+        """value + 1 when the dropped bits `rem` exceed `half`, or equal it and value is odd."""
+        odd = f"T.bitwise_and({value}, {_u32(1)})"
+        up = f"T.Or({rem} > {half}, T.And({rem} == {half}, {odd} == {_u32(1)}))"
+        return f"({value} + T.if_then_else({up}, {_u32(1)}, {_u32(0)}))"
+
+    normal = rne(f"T.bitwise_or(T.shift_left({e} - {_u32(112)}, {_u32(10)}), T.shift_right({m}, {_u32(13)}))",
+                 f"T.bitwise_and({m}, {_u32(0x1FFF)})", _u32(0x1000))
+    normal = f"T.min({normal}, {_u32(0x7C00)})"
+    full = f"T.bitwise_or({m}, {_u32(0x800000)})"
+    shift = f"({_u32(126)} - {e})"
+    sub = rne(f"T.shift_right({full}, {shift})", f"T.bitwise_and({full}, T.shift_left({_u32(1)}, {shift}) - {_u32(1)})",
+              f"T.shift_left({_u32(1)}, {shift} - {_u32(1)})")
+    nan = f"T.And({e} == {_u32(255)}, {m} != {_u32(0)})"
+    magnitude = (f"T.if_then_else({nan}, {_u32(0x7E00)}, T.if_then_else({e} >= {_u32(143)}, {_u32(0x7C00)}, "
+                 f"T.if_then_else({e} >= {_u32(113)}, {normal}, T.if_then_else({e} >= {_u32(102)}, {sub}, {_u32(0)}))))")
+    return f'T.Cast("uint16", T.bitwise_or({sign}, {magnitude}))'
+
+
+def q8_quant(buf: str, row: str, col: str, k: Dim) -> str:
+    return f'T.Cast("float32", T.reinterpret("int8", {buf}[{q8_block(row, f"({col}) // 32", k)} + 2 + ({col}) % 32]))'
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    dtype: str      # TVM dtype of the flat buffer
+    size: str       # element count, a size expression over n_<symbol>
+    writes: bool
+
+
+@dataclass(frozen=True)
+class PrimKernel:
+    """One PrimFunc: flat buffer params, then int params (the symbols its text uses)."""
+
+    op: str
+    params: tuple[Param, ...]
+    ints: tuple[str, ...]
+    body: str
+    sequential: bool
+
+    @property
+    def name(self) -> str:
+        digest = hashlib.sha256(f"{self.params}{self.ints}{self.sequential}{self.body}".encode()).hexdigest()[:12]
+        return f"tvm_{self.op}_{digest}"
+
+    def script(self) -> str:
+        args = ", ".join([f"{p.name}_h: T.handle" for p in self.params] + [f"{n}: T.int32" for n in self.ints])
+        lines = ["@T.prim_func(s_tir=True)", f"def {self.name}({args}):",
+                 f'    T.func_attr({{"global_symbol": "{self.name}"}})']
+        lines += [f'    {p.name} = T.match_buffer({p.name}_h, ({p.size},), "{p.dtype}")' for p in self.params]
+        return "\n".join(lines) + "\n" + self.body
+
+
+def block(grid: Sequence[tuple[str, str]], body: str, *, reduce: Sequence[tuple[str, str]] = (), init: str = "",
+          regions: tuple[Sequence[Param], Sequence[Param]] | None = None, scratch: Sequence[tuple[str, int]] = ()) -> str:
+    """An sblock over spatial `grid` then `reduce` axes ((var, extent) pairs); `body` and
+    `init` are statements at zero indent. `regions` (reads, writes) are given explicitly
+    for bodies with let bindings, where TVM cannot infer them; `scratch` are f32 local arrays."""
+    axes = list(grid) or [("z_", "1")]
+    axes += list(reduce)
+    loops = [f"l{i}" for i in range(len(axes))]
+    kinds = "S" * (len(axes) - len(reduce)) + "R" * len(reduce)
+    pad = " " * 12
+    out = [f"    for {', '.join(loops)} in T.grid({', '.join(e for _, e in axes)}):",
+           '        with T.sblock("b"):']
+    for (name, extent), loop, kind in zip(axes, loops, kinds):
+        out.append(f"{pad}{name} = T.axis.{'spatial' if kind == 'S' else 'reduce'}({extent}, {loop})")
+    if regions is not None:
+        reads, writes = regions
+        out.append(f"{pad}T.reads({', '.join(f'{p.name}[0:{p.size}]' for p in reads)})")
+        out.append(f"{pad}T.writes({', '.join(f'{p.name}[0:{p.size}]' for p in writes)})")
+    for name, size in scratch:
+        out.append(f'{pad}{name} = T.sblock_alloc_buffer(({size},), "float32", scope="local")')
+    if init:
+        out.append(f"{pad}with T.init():")
+        out += [pad + "    " + line for line in init.splitlines()]
+    out += [pad + line for line in body.splitlines()]
+    return "\n".join(out) + "\n"
+
+
+def symbols_in(text: str, known: Sequence[str]) -> tuple[str, ...]:
+    return tuple(n for n in known if re.search(rf"\b{n}\b", text))

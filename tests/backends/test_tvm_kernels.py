@@ -1,0 +1,54 @@
+"""Every TVM-built kernel against the interpreter on single-node graphs (random inputs and
+edge shapes, backends/selftest.py): through TVM's LLVM target on this CPU, and through TVM's
+OpenCL target (dlight-scheduled) run by pyopencl on PoCL."""
+import pytest
+
+from dflash_ir.backends.selftest import CASES, compare
+from dflash_ir.ops.registry import all_ops
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_llvm_kernel_matches_interpreter(tvm, name, tmp_path):
+    compare(tvm, name, tmp_path)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_opencl_kernel_matches_interpreter(tvm_opencl, name, tmp_path):
+    compare(tvm_opencl, name, tmp_path)
+
+
+def test_every_op_has_a_tvm_lowering():
+    from dflash_ir.backends.tvm.lowering import registered_ops
+
+    assert set(all_ops()) - registered_ops() == set()
+
+
+def _cast_program(tvm, tmp_path, src: str, dst: str, n: int):
+    from dflash_ir.builder import GraphBuilder
+    from dflash_ir.dtypes import DType
+
+    b = GraphBuilder(f"cast_{src}_{dst}")
+    b.output("y", b.cast(b.input("x", DType.parse(src), (n,)), dtype=dst))
+    graph = b.build()
+    return tvm.load(graph, tvm.compile(graph, tmp_path), tmp_path, lambda w: None)
+
+
+def test_f16_bits_convert_exactly_both_ways(tvm, tmp_path):
+    """f16 travels as its bits (PoCL has no cl_khr_fp16): every f16 value widens exactly, and
+    f32 values round to nearest even as numpy does: ties, subnormals, overflow, signed zeros."""
+    import numpy as np
+
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    wide = _cast_program(tvm, tmp_path / "up", "f16", "f32", every_half.size).run({"x": every_half}, {}).outputs["y"]
+    assert np.array_equal(wide.view(np.uint32), every_half.astype(np.float32).view(np.uint32))
+
+    rng = np.random.default_rng(0)
+    ties = (np.arange(-2048, 2048, dtype=np.float32) + np.float32(0.5)) * np.float32(2.0 ** -10)  # halfway points
+    edges = np.array([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e6, -1e6, 2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0001,
+                      3 * 2.0 ** -26, 2.0 ** -14, 2.0 ** -14 * 0.999, np.inf, -np.inf], dtype=np.float32)
+    values = np.concatenate([ties, edges, rng.standard_normal(4096).astype(np.float32) * np.float32(2.0 ** -16),
+                             rng.standard_normal(4096).astype(np.float32) * np.float32(3000)])
+    narrow = _cast_program(tvm, tmp_path / "down", "f32", "f16", values.size).run({"x": values}, {}).outputs["y"]
+    with np.errstate(over="ignore"):  # values past 65520 become inf: the point of the check
+        want = values.astype(np.float16)
+    assert np.array_equal(narrow.view(np.uint16), want.view(np.uint16))

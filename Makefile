@@ -1,7 +1,7 @@
 # The two fresh-machine commands (see README): `make demo` and `make test`.
 PY ?= python3
 
-.PHONY: setup test test-fast demo bench train-demo
+.PHONY: setup test test-fast demo bench bench-pytest train-demo
 
 setup:
 	./scripts/setup.sh
@@ -15,8 +15,14 @@ test-fast:
 demo: setup
 	$(PY) -m dflash_ir.demo
 
+# The backend comparison (see README): tables on screen, results.json / .md / PNGs in bench-results/.
 bench: setup
-	$(PY) -m pytest bench -q
+	$(PY) -m pip install -q -e ".[bench]"
+	dflash-bench -o bench-results
+
+# The same measurements as pytest-benchmark cases (its statistics, --benchmark-json ...).
+bench-pytest: setup
+	$(PY) -m pytest bench -q -p no:cacheprovider
 
 # Retrain the shipped demo pair (demo/*.gguf) from scratch, seeded; ~1 h on 2 CPU cores (see train/README.md).
 train-demo:

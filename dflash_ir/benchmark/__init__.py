@@ -1,0 +1,8 @@
+"""The backend-comparison benchmark: which backend, how fast, how close to the machine's
+limits, and how much DFlash buys (`dflash-bench`, and the pytest-benchmark files in bench/).
+
+    limits    memory bandwidth (STREAM copy / triad) through each backend, peak f32 GEMM
+    kernels   hot kernels at the shapes of Qwen3.5-9B and Qwen3.6-35B-A3B layers
+    e2e       prefill, target-only decode and speculative tokens/s, tau, per backend and model
+    peer      llama.cpp (llama-cpp-python) on the same GGUF
+"""

@@ -1,0 +1,222 @@
+"""`dflash-bench`: which backend, how fast, how close to the hardware limit, and how much
+DFlash buys. Runs the chosen suites on every backend that can run here (the others are
+listed with the reason), prints each figure as it comes, and writes results.json,
+results.md and PNG plots to --out.
+
+    dflash-bench                                  every suite, backend and model (minutes)
+    dflash-bench --suites kernels -b opencl       one suite on one backend
+    dflash-bench --quick                          small shapes and models: a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from dflash_ir import __version__
+from dflash_ir.backends.base import get_backend, known_backends
+
+from . import e2e as e2e_suite
+from . import kernels as kernel_suite
+from . import limits as limit_suite
+from . import models as model_suite
+from . import peer as peer_suite
+from .measure import time_calls
+from .report import Results, write_all
+
+SUITES = ("limits", "kernels", "e2e", "peer")
+MODELS = ("demo", "synthetic")
+
+
+def _machine() -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                   if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(), "numpy": np.__version__,
+            "dflash-ir": __version__, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+class Bench:
+    def __init__(self, args, work: Path):
+        self.args = args
+        self.work = work
+        self.results = Results(machine=_machine())
+        self.budget = 0.2 if args.quick else args.budget
+
+    def say(self, msg: str) -> None:
+        print(msg, flush=True)
+
+    def attempt(self, where: str, fn):
+        """Run one measurement; a failure is recorded and reported, and the run goes on."""
+        try:
+            return fn()
+        except Exception as e:  # one broken backend must not hide the other results
+            self.results.failures.append({"where": where, "error": f"{type(e).__name__}: {e}"})
+            self.say(f"  FAILED {where}: {type(e).__name__}: {e}")
+            if self.args.verbose:
+                traceback.print_exc()
+            return None
+
+    def backends(self) -> list:
+        names = known_backends() if self.args.backends == "all" else self.args.backends.split(",")
+        unknown = sorted(set(names) - set(known_backends()))
+        if unknown:
+            raise SystemExit(f"dflash-bench: unknown backend(s) {', '.join(unknown)}; known: {', '.join(known_backends())}")
+        ready = []
+        for name in names:
+            backend = get_backend(name)
+            try:
+                reason = backend.unavailable_reason()
+                entry = {"skipped": reason} if reason else {"device": backend.device_description()}
+            except Exception as e:  # a backend that cannot even say what it runs on is reported, not fatal
+                reason = f"{type(e).__name__}: {e}"
+                entry = {"skipped": reason}
+                self.results.failures.append({"where": f"backend/{name}", "error": reason})
+            self.results.backends[name] = entry
+            self.say(f"backend {name}: " + (f"skipped ({reason})" if reason else entry["device"]))
+            if not reason:
+                ready.append(backend)
+        return ready
+
+    def limits(self, backends) -> None:
+        elements, gemm = (1 << 20, 256) if self.args.quick else (1 << 24, 1024)
+        self.say("\n== limits ==")
+        rows = [self.attempt("limits/host", lambda: limit_suite.host_limits(elements=elements, gemm=gemm,
+                                                                             budget_s=self.budget))]
+        for b in backends:
+            rows.append(self.attempt(f"limits/{b.name}", lambda b=b: limit_suite.measure_limits(
+                b, self.work / "limits" / b.name, elements=elements, gemm=gemm, budget_s=self.budget)))
+        for row in filter(None, rows):
+            self.results.limits.append(row.__dict__)
+            self.say(f"  {row.backend:12s} copy {row.copy_gbs:7.2f} GB/s  triad {row.triad_gbs:7.2f} GB/s  "
+                     f"f32 GEMM {row.gemm_gflops:8.1f} GFLOP/s")
+
+    def kernels(self, backends) -> None:
+        self.say("\n== kernels ==")
+        for make in kernel_suite.default_cases(quick=self.args.quick):
+            case = make()
+            for b in backends:
+                def measure(b=b, case=case):
+                    timing = time_calls(case.runner(b, self.work / "kernels" / b.name / case.graph.name),
+                                        budget_s=self.budget)
+                    bandwidth = self.results.bandwidth(b.name)
+                    row = {"case": case.name, "family": case.family, "backend": b.name, "ms": timing.seconds * 1e3,
+                           "calls": timing.calls, "bytes": case.nbytes, "flops": case.flops,
+                           "gbs": timing.rate(case.nbytes) / 1e9, "gflops": timing.rate(case.flops) / 1e9}
+                    row["fraction_bw"] = row["gbs"] / bandwidth if bandwidth else None
+                    return row
+                row = self.attempt(f"kernels/{b.name}/{case.name}", measure)
+                if row:
+                    self.results.kernels.append(row)
+                    share = f" ({row['fraction_bw']:.0%} of bw)" if row["fraction_bw"] else ""
+                    self.say(f"  {case.name:34s} {b.name:10s} {row['ms']:9.3f} ms {row['gbs']:7.2f} GB/s{share}"
+                             f" {row['gflops']:8.1f} GFLOP/s")
+            del case
+
+    def models(self) -> list:
+        chosen = []
+        for name in self.args.models.split(","):
+            if name == "demo":
+                chosen.append(self.attempt("models/demo", model_suite.demo_model))
+            elif name == "synthetic":
+                chosen.append(self.attempt("models/synthetic", lambda: model_suite.synthetic_model(
+                    small=self.args.quick, progress=self.say)))
+            else:
+                raise SystemExit(f"dflash-bench: unknown model {name!r}; known: {', '.join(MODELS)}")
+        return [m for m in chosen if m]
+
+    def end_to_end(self, backends, models) -> None:
+        self.say("\n== end to end ==")
+        for m in models:
+            self.say(f"  model {m.name}: {m.description}")
+            for b in backends:
+                row = self.attempt(f"e2e/{b.name}/{m.name}", lambda b=b: e2e_suite.run_end_to_end(
+                    b.name, m, self.work / "e2e", max_tokens=self.args.max_tokens))
+                if row:
+                    self.results.e2e.append(row.to_dict())
+                    self.say(f"  {m.name:10s} {b.name:10s} prefill {row.prefill_tps:8.1f} tok/s  decode "
+                             f"{row.decode_tps:7.1f} tok/s  speculative {row.speculative_tps:7.1f} tok/s  "
+                             f"tau {row.tau:5.2f}  ({row.speedup:.2f}x)")
+
+    def peer(self, models) -> None:
+        self.say("\n== peer: llama.cpp ==")
+        reason = peer_suite.peer_unavailable()
+        if reason:
+            self.results.backends["llama.cpp"] = {"skipped": reason}
+            self.say(f"  skipped: {reason}")
+            return
+        ours = {e["model"]: e for e in self.results.e2e}
+        for m in models:
+            if m.name not in ours:
+                self.say(f"  {m.name}: no end-to-end run of ours to compare with (run the e2e suite too)")
+                continue
+            mine = ours[m.name]
+            row = self.attempt(f"peer/{m.name}", lambda: peer_suite.run_llama_cpp(
+                m.name, m.target, mine["prompt_ids"], len(mine["tokens"])))
+            if row:
+                d = row.to_dict()
+                d["matching_tokens"] = next((i for i, (a, b) in enumerate(zip(row.tokens, mine["tokens"])) if a != b),
+                                            min(len(row.tokens), len(mine["tokens"])))
+                self.results.peer.append(d)
+                self.say(f"  {m.name:10s} {row.engine} ({row.threads} threads) prefill {row.prefill_tps:8.1f} tok/s"
+                         f"  decode {row.decode_tps:7.1f} tok/s  greedy tokens equal ours: "
+                         f"{d['matching_tokens']}/{row.generated_tokens}")
+
+    def run(self) -> Results:
+        suites = self.args.suites.split(",")
+        unknown = set(suites) - set(SUITES)
+        if unknown:
+            raise SystemExit(f"dflash-bench: unknown suite(s) {', '.join(sorted(unknown))}; known: {', '.join(SUITES)}")
+        backends = self.backends()
+        if "limits" in suites:
+            self.limits(backends)
+        if "kernels" in suites:
+            self.kernels(backends)
+        if "e2e" in suites or "peer" in suites:
+            models = self.models()
+            if "e2e" in suites:
+                self.end_to_end(backends, models)
+            if "peer" in suites:
+                self.peer(models)
+        return self.results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("-b", "--backends", default="all", help="comma-separated backend names, or all (default)")
+    p.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--quick", action="store_true", help="small shapes and models, short timing: a smoke run")
+    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per kernel figure (default 1)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per end-to-end run (default 32)")
+    p.add_argument("-o", "--out", default="bench-results", help="folder for results.json, results.md, *.png")
+    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed measurements")
+    args = p.parse_args(argv)
+    if args.quick and args.max_tokens == 32:
+        args.max_tokens = 16
+
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as work:
+        results = Bench(args, Path(work)).run()
+    written = write_all(results, Path(args.out))
+    print(f"\ndflash-bench: wrote {', '.join(str(w) for w in written)}")
+    if results.failures:
+        print(f"dflash-bench: {len(results.failures)} measurement(s) failed; see results.md",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""End to end on one backend and model pair: prefill tokens/s, target-only decode tokens/s,
+speculative tokens/s and tau, through the same compile + load path users take. Greedy, so
+the speculative tokens must equal the target-only ones: a run where they differ is an error,
+not a number."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash_ir.artifact import compile_pair, load_compiled
+
+from .models import BenchModel
+
+RANDOM_IDS_BELOW = 2048  # prompt ids for models without a real tokenizer: inside every synthetic vocabulary
+
+
+@dataclass(frozen=True)
+class EndToEnd:
+    backend: str
+    model: str
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_tps: float
+    decode_tps: float            # target only
+    speculative_tps: float
+    tau: float
+    accept_hist: dict[int, int]
+    prompt_ids: list[int]
+    tokens: list[int]
+
+    @property
+    def speedup(self) -> float:
+        return self.speculative_tps / self.decode_tps if self.decode_tps else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "speedup": self.speedup}
+
+
+def run_end_to_end(backend: str, model: BenchModel, work_dir: Path, *, prompt_tokens: int = 64,
+                   max_tokens: int = 32, n_ctx: int = 512) -> EndToEnd:
+    out = compile_pair(model.target, model.draft, out=Path(work_dir) / f"{model.name}-{backend}", backend=backend,
+                       n_ctx=n_ctx)
+    engine = load_compiled(out, load_tokenizer=model.prompt is not None)
+    if model.prompt is not None:
+        ids = engine.encode_prompt(model.prompt)
+    else:
+        ids = np.random.default_rng(0).integers(16, RANDOM_IDS_BELOW, prompt_tokens).tolist()
+    for speculative in (True, False):  # warm-up: first launches build kernels on some backends
+        engine.generate(prompt_ids=ids, max_tokens=4, speculative=speculative, ignore_eos=True)
+    plain = engine.generate(prompt_ids=ids, max_tokens=max_tokens, speculative=False, ignore_eos=True)
+    spec = engine.generate(prompt_ids=ids, max_tokens=max_tokens, speculative=True, ignore_eos=True)
+    if spec.tokens != plain.tokens:
+        raise AssertionError(f"{backend}/{model.name}: speculative tokens differ from target-only tokens:\n"
+                             f"  speculative {spec.tokens}\n  target-only {plain.tokens}")
+    return EndToEnd(backend, model.name, len(ids), len(plain.tokens), plain.stats.prefill_tps, _after_first(plain),
+                    _after_first(spec), spec.stats.tau, dict(sorted(spec.stats.accept_hist.items())), list(ids), plain.tokens)
+
+
+def _after_first(gen) -> float:
+    """Tokens/s after the first token (which prefill produces), as llama.cpp counts decode."""
+    seconds = gen.stats.generate_seconds
+    return (len(gen.tokens) - 1) / seconds if seconds else 0.0

@@ -1,0 +1,156 @@
+"""Hot kernels at the shapes of real layers: single-node graphs with random data, run through
+a backend's own compile + load path, each with the bytes it must move and the FLOPs it does,
+so its time becomes GB/s and FLOP/s to hold against the machine's limits.
+
+Shapes (../shared/docs/QWEN35.md): Qwen3.5-9B H 4096, FFN 12288, 16 Q / 4 KV heads x 256,
+Gated DeltaNet 16 K / 32 V heads x 128; Qwen3.6-35B-A3B H 2048, experts 512 wide, top-8 + a
+shared expert. Decode is one row, verify a DFlash block of 16 rows, prefill a chunk of rows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from dflash_ir.builder import GraphBuilder
+from dflash_ir.dtypes import DType
+from dflash_ir.ir import Graph
+from dflash_ir.quant import dequantize, quantize
+
+from .programs import single_graph_runner
+
+F32, F16, Q8 = DType.F32, DType.F16, DType.Q8_0
+Q8_BYTES = 34 / 32  # bytes per Q8_0 weight
+EXPERTS_ALLOCATED = 64  # of the 35B-A3B's 256: a token reads only its top-8 either way
+
+
+@dataclass
+class KernelCase:
+    """One benchmark case: `graph` with its arrays, and what one call must move and compute."""
+
+    name: str
+    family: str                  # gemv, gemm, attention, gdn, moe
+    graph: Graph
+    weights: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray]
+    states: dict[str, np.ndarray] = field(default_factory=dict)
+    nbytes: float = 0.0          # minimum bytes one call reads and writes
+    flops: float = 0.0
+
+    def runner(self, backend, work_dir) -> Callable[[], object]:
+        return single_graph_runner(backend, self.graph, self.weights, self.inputs, self.states, work_dir)
+
+
+def random_q8_0(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Q8_0 storage of random weights, made block by block (normal floats then quantize would
+    take seconds per large matrix): scale ~ 1/(127 sqrt(K)), uniform int8 quants."""
+    *lead, k = shape
+    blocks = np.empty((*lead, k // 32, 34), np.uint8)
+    d = np.float16(1.0 / (127.0 * math.sqrt(k)))
+    blocks[..., :2] = np.frombuffer(d.tobytes(), np.uint8)
+    blocks[..., 2:] = rng.integers(-127, 128, size=(*lead, k // 32, 32), dtype=np.int8).view(np.uint8)
+    return blocks.reshape(*lead, k // 32 * 34)
+
+
+def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0) -> KernelCase:
+    """x[rows, k] @ w[n, k]^T with a Q8_0 weight, built as the model builders build a linear
+    layer (dequantize, then matmul): the interpreter dequantizes once at load, the passes
+    turn it into a Q8_0 GEMV (up to 16 rows) or tiled GEMM for the kernel backends."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder(name)
+    b.output("y", b.matmul(b.input("x", F32, ("T", k)), b.dequantize(b.weight("w", Q8, (n, k)))))
+    family = "gemv" if rows <= 16 else "gemm"
+    return KernelCase(name, family, b.build(), {"w": random_q8_0(rng, (n, k))},
+                      {"x": rng.standard_normal((rows, k)).astype(np.float32)},
+                      nbytes=n * k * Q8_BYTES + 4 * rows * (k + n), flops=2.0 * rows * n * k)
+
+
+def attention_case(name: str, rows: int, context: int, hq: int = 16, hkv: int = 4, d: int = 256,
+                   seed: int = 0) -> KernelCase:
+    """`rows` queries over a KV cache filled to `context` (f32, as the runtime keeps it)."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder(name)
+    q = b.input("q", F32, ("T", hq, d))
+    k, v = b.input("k", F32, ("C", hkv, d)), b.input("v", F32, ("C", hkv, d))
+    b.output("o", b.attention(q, k, v, b.input("kv_len", DType.I32, ()), scale=d ** -0.5, causal=True))
+    inputs = {"q": rng.standard_normal((rows, hq, d)).astype(np.float32),
+              "k": rng.standard_normal((context, hkv, d)).astype(np.float32),
+              "v": rng.standard_normal((context, hkv, d)).astype(np.float32), "kv_len": np.int32(context)}
+    return KernelCase(name, "attention", b.build(), {}, inputs,
+                      nbytes=4.0 * (2 * context * hkv * d + 2 * rows * hq * d), flops=4.0 * rows * hq * context * d)
+
+
+def gdn_case(name: str, rows: int, hk: int = 16, hv: int = 32, dk: int = 128, dv: int = 128, seed: int = 0) -> KernelCase:
+    """Gated delta rule over `rows` tokens from a saved state, per-row states emitted (verify)."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder(name)
+    q, k = b.input("q", F32, ("T", hk, dk)), b.input("k", F32, ("T", hk, dk))
+    g, beta = b.input("g", F32, ("T", hv)), b.input("beta", F32, ("T", hv))
+    state = b.state("state", F32, (hv, dk, dv))
+    out, final, rows_states = b.gated_delta_rule(q, k, b.input("v", F32, ("T", hv, dv)), g, beta, state,
+                                                 scale=dk ** -0.5, head_map="tiled", chunk_size=0, emit_row_states=True)
+    b.update_state(state, final)
+    b.output("o", out)
+    b.output("row_states", rows_states)
+
+    def unit(shape):
+        x = rng.standard_normal(shape).astype(np.float32)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+    inputs = {"q": unit((rows, hk, dk)), "k": unit((rows, hk, dk)),
+              "g": -rng.uniform(0.01, 1.0, (rows, hv)).astype(np.float32),
+              "beta": rng.uniform(0.0, 1.0, (rows, hv)).astype(np.float32),
+              "v": rng.standard_normal((rows, hv, dv)).astype(np.float32)}
+    states = {"state": (rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32)}
+    state_bytes = 4.0 * hv * dk * dv
+    return KernelCase(name, "gdn", b.build(), {}, inputs, states,
+                      nbytes=state_bytes * (1 + rows) + 4.0 * rows * (2 * hk * dk + 2 * hv * dv),
+                      flops=6.0 * rows * hv * dk * dv)
+
+
+def moe_case(name: str, rows: int, width: int = 2048, ff: int = 512, experts: int = EXPERTS_ALLOCATED, k: int = 8,
+             seed: int = 0) -> KernelCase:
+    """The fused MoE block (router, top-k, SwiGLU experts, gated shared expert)."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder(name)
+    x = b.input("x", F32, ("T", width))
+    names = {"router": ((experts, width), F16), "gate_exps": ((experts, ff, width), Q8),
+             "up_exps": ((experts, ff, width), Q8), "down_exps": ((experts, width, ff), Q8),
+             "sh_gate": ((ff, width), Q8), "sh_up": ((ff, width), Q8), "sh_down": ((width, ff), Q8),
+             "sh_gate_inp": ((width,), F32)}
+    weights = {n: random_q8_0(rng, s) if t is Q8 else quantize(rng.standard_normal(s).astype(np.float32) * 0.02, t)
+               for n, (s, t) in names.items()}
+    b.output("y", b.fused_moe(x, *(b.weight(n, t, s) for n, (s, t) in names.items()), k=k))
+    xs = rng.standard_normal((rows, width)).astype(np.float32)
+    chosen = np.argsort(-(xs @ dequantize(weights["router"], F16).T), axis=-1)[:, :k]
+    read = len(np.unique(chosen)) + 1  # distinct experts hit, plus the shared one
+    per_expert = 3 * ff * width
+    return KernelCase(name, "moe", b.build(), weights, {"x": xs},
+                      nbytes=read * per_expert * Q8_BYTES + experts * width * 2 + 8.0 * rows * width,
+                      flops=2.0 * rows * (k + 1) * per_expert + 2.0 * rows * experts * width)
+
+
+def default_cases(quick: bool = False) -> list[Callable[[], KernelCase]]:
+    """The suite, as factories (cases are built one at a time: the large ones hold ~1 GB).
+    `quick` scales every shape down ~16x for smoke tests."""
+    if quick:
+        return [lambda: gemv_case("q8_0 gemv 512x256", 512, 256, 1),
+                lambda: gemv_case("q8_0 gemm 32x512x256", 512, 256, 32),
+                lambda: attention_case("attention T1 ctx128", 1, 128, hq=4, hkv=2, d=64),
+                lambda: gdn_case("gdn T1", 1, hk=2, hv=4, dk=32, dv=32),
+                lambda: moe_case("moe T1", 1, width=256, ff=64, experts=8, k=2)]
+    return [
+        lambda: gemv_case("9B ffn_up gemv 12288x4096", 12288, 4096, 1),
+        lambda: gemv_case("9B ffn_down gemv 4096x12288", 4096, 12288, 1),
+        lambda: gemv_case("9B attn_q verify 16x8192x4096", 8192, 4096, 16),
+        lambda: gemv_case("35B attn_q gemv 8192x2048", 8192, 2048, 1),
+        lambda: gemv_case("9B ffn_up gemm 64x12288x4096", 12288, 4096, 64),
+        lambda: attention_case("9B attention decode ctx512", 1, 512),
+        lambda: attention_case("9B attention decode ctx4096", 1, 4096),
+        lambda: attention_case("9B attention verify16 ctx4096", 16, 4096),
+        lambda: gdn_case("9B gated delta rule T1", 1),
+        lambda: gdn_case("9B gated delta rule verify16", 16),
+        lambda: moe_case("35B fused moe T1", 1),
+        lambda: moe_case("35B fused moe verify16", 16),
+    ]

@@ -1,0 +1,147 @@
+"""A benchmark run's results as JSON (everything), a markdown table (what to read) and PNG
+plots (throughput per backend, fraction of roofline per kernel, speculative speed-up vs tau)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Results:
+    machine: dict[str, Any] = field(default_factory=dict)
+    backends: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> device / skipped reason
+    limits: list[dict[str, Any]] = field(default_factory=list)
+    kernels: list[dict[str, Any]] = field(default_factory=list)
+    e2e: list[dict[str, Any]] = field(default_factory=list)
+    peer: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def bandwidth(self, backend: str) -> float | None:
+        """The backend's measured bandwidth, else the host's (CPU backends share it)."""
+        by = {row["backend"]: row for row in self.limits}
+        row = by.get(backend) or by.get("host")
+        return max(row["copy_gbs"], row["triad_gbs"]) if row else None
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None or math.isnan(x) else f"{x:.0%}"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(r: Results) -> str:
+    out = ["# dflash-bench", "", "Machine: " + ", ".join(f"{k} {v}" for k, v in r.machine.items()), ""]
+    out += ["## Backends", "", _table(["backend", "device"], [[n, b.get("device") or f"skipped: {b.get('skipped')}"]
+                                                           for n, b in r.backends.items()]), ""]
+    if r.limits:
+        out += ["## Limits (measured in this run)", "", _table(
+            ["through", "copy GB/s", "triad GB/s", "f32 GEMM GFLOP/s"],
+            [[l["backend"], f"{l['copy_gbs']:.1f}", f"{l['triad_gbs']:.1f}", f"{l['gemm_gflops']:.1f}"] for l in r.limits]), ""]
+    if r.kernels:
+        out += ["## Kernels", "", "GB/s is the minimum traffic of one call over its median time; % bw is that over the "
+                "backend's measured bandwidth (the host's for CPU backends without their own figure).", "",
+                _table(["kernel", "backend", "ms", "GB/s", "% bw", "GFLOP/s"],
+                       [[k["case"], k["backend"], f"{k['ms']:.3f}", f"{k['gbs']:.2f}", _pct(k.get("fraction_bw")),
+                         f"{k['gflops']:.1f}"] for k in r.kernels]), ""]
+    if r.e2e or r.peer:
+        rows = [[e["model"], e["backend"], e["prompt_tokens"], f"{e['prefill_tps']:.1f}", f"{e['decode_tps']:.1f}",
+                 f"{e['speculative_tps']:.1f}", f"{e['tau']:.2f}", f"{e['speedup']:.2f}x"] for e in r.e2e]
+        rows += [[p["model"], p["engine"] + f" ({p['threads']} threads)", p["prompt_tokens"], f"{p['prefill_tps']:.1f}",
+                  f"{p['decode_tps']:.1f}", "", "", ""] for p in r.peer]
+        out += ["## End to end (greedy)", "", "decode = target-only; speculative output was checked equal to it.", "",
+                _table(["model", "engine", "prompt", "prefill tok/s", "decode tok/s", "speculative tok/s", "tau",
+                        "spec/decode"], rows), ""]
+        matches = [f"{p['model']}: llama.cpp's greedy tokens equal ours for {p['matching_tokens']}/{p['generated_tokens']}"
+                   for p in r.peer if "matching_tokens" in p]
+        out += [f"- {m}" for m in matches] + ([""] if matches else [])
+    if r.failures:
+        out += ["## Failures", ""] + [f"- {f['where']}: {f['error']}" for f in r.failures] + [""]
+    return "\n".join(out)
+
+
+def write_plots(r: Results, folder: Path) -> list[Path]:
+    """PNG plots; needs matplotlib (a dev/bench dependency): raises ImportError naming it."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("plots need matplotlib (pip install matplotlib, or the bench extra)") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name: str) -> None:
+        path = folder / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    if r.e2e or r.peer:
+        labels, decode, spec = [], [], []
+        for e in r.e2e:
+            labels.append(f"{e['model']}\n{e['backend']}")
+            decode.append(e["decode_tps"])
+            spec.append(e["speculative_tps"])
+        for p in r.peer:
+            labels.append(f"{p['model']}\nllama.cpp")
+            decode.append(p["decode_tps"])
+            spec.append(0.0)
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels)), 4))
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], decode, 0.4, label="target-only decode")
+        ax.bar([x + 0.2 for x in xs], spec, 0.4, label="speculative (DFlash)")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("Throughput per backend")
+        ax.legend()
+        save(fig, "throughput.png")
+    if r.kernels:
+        cases = list(dict.fromkeys(k["case"] for k in r.kernels))
+        backends = list(dict.fromkeys(k["backend"] for k in r.kernels))
+        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(cases) * max(1, len(backends)) / 2), 4.5))
+        width = 0.8 / max(1, len(backends))
+        for i, b in enumerate(backends):
+            got = {k["case"]: k.get("fraction_bw") or 0.0 for k in r.kernels if k["backend"] == b}
+            ax.bar([c + i * width for c in range(len(cases))], [got.get(c, 0.0) for c in cases], width, label=b)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))], cases, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("fraction of measured bandwidth")
+        ax.set_title("Kernels against the roofline (memory bound)")
+        ax.legend()
+        save(fig, "roofline.png")
+    if r.e2e:
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for e in r.e2e:
+            ax.scatter(e["tau"], e["speedup"], label=f"{e['model']} / {e['backend']}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("tau (tokens per verify round)")
+        ax.set_ylabel("speculative / target-only tokens/s")
+        ax.set_title("Speculative speed-up vs tau")
+        ax.legend(fontsize=7)
+        save(fig, "speedup_vs_tau.png")
+    return written
+
+
+def write_all(r: Results, folder: Path, *, say=print) -> list[Path]:
+    """Writes the JSON and markdown always; the plots when matplotlib is there (else says so:
+    a GPU machine may lack it, and its numbers still count)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(r.to_dict(), indent=1, default=str))
+    (folder / "results.md").write_text(markdown(r))
+    try:
+        plots = write_plots(r, folder)
+    except ImportError as e:
+        say(f"dflash-bench: no plots: {e}")
+        plots = []
+    return [folder / "results.json", folder / "results.md", *plots]

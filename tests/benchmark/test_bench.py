@@ -1,0 +1,83 @@
+"""dflash-bench: the cases count what they claim, and a quick run on the CPU backends writes
+the JSON, the markdown table and the plots with figures that hang together."""
+import json
+
+import numpy as np
+import pytest
+
+from dflash_ir.backends.base import get_backend
+from dflash_ir.benchmark import cli
+from dflash_ir.benchmark.kernels import Q8_BYTES, gemv_case, random_q8_0
+from dflash_ir.benchmark.models import synthetic_model
+from dflash_ir.benchmark.peer import peer_unavailable, run_llama_cpp
+from dflash_ir.dtypes import DType
+from dflash_ir.quant import dequantize
+
+
+def test_gemv_case_counts_weight_and_activation_traffic():
+    case = gemv_case("g", 64, 96, 3)
+    assert case.family == "gemv"
+    assert case.nbytes == 64 * 96 * 34 / 32 + 4 * 3 * (96 + 64)
+    assert case.flops == 2 * 3 * 64 * 96
+    assert case.weights["w"].shape == (64, 96 // 32 * 34)
+    assert gemv_case("g", 64, 96, 17).family == "gemm"
+
+
+def test_random_q8_0_is_valid_storage_with_the_stated_scale():
+    storage = random_q8_0(np.random.default_rng(0), (4, 128))
+    values = dequantize(storage, DType.Q8_0)
+    d = np.float32(np.float16(1 / (127 * np.sqrt(128))))
+    assert values.shape == (4, 128)
+    assert np.all(np.abs(values) <= 127 * d + 1e-9)
+    assert np.allclose(values / d, np.round(values / d))  # integer multiples of the block scale
+    assert Q8_BYTES * 128 == storage.shape[1]
+
+
+def _cpu_backends() -> list[str]:
+    return ["numpy"] + ([] if get_backend("opencl").unavailable_reason() else ["opencl"])
+
+
+def test_quick_run_writes_consistent_json_markdown_and_plots(tmp_path):
+    backends = _cpu_backends()
+    out = tmp_path / "out"
+    code = cli.main(["--quick", "-b", ",".join(backends), "--suites", "limits,kernels,e2e", "--models", "synthetic",
+                     "-o", str(out)])
+    assert code == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["failures"] == []
+    assert [l["backend"] for l in r["limits"]] == ["host", *backends]
+    assert all(l["copy_gbs"] > 0 and l["triad_gbs"] > 0 and l["gemm_gflops"] > 0 for l in r["limits"])
+    assert len(r["kernels"]) == 5 * len(backends)
+    for k in r["kernels"]:
+        assert k["gbs"] == pytest.approx(k["bytes"] / (k["ms"] / 1e3) / 1e9)
+        bandwidth = max(next(l for l in r["limits"] if l["backend"] == k["backend"])[f] for f in ("copy_gbs", "triad_gbs"))
+        assert k["fraction_bw"] == pytest.approx(k["gbs"] / bandwidth)
+    runs = r["e2e"]
+    assert [e["backend"] for e in runs] == backends
+    assert all(e["tau"] >= 1 and e["decode_tps"] > 0 and e["speculative_tps"] > 0 for e in runs)
+    assert all(e["tokens"] == runs[0]["tokens"] for e in runs)  # greedy: every backend, the same tokens
+    md = (out / "results.md").read_text()
+    assert "## Kernels" in md and "## End to end (greedy)" in md and "| synthetic-small | numpy |" in md
+    for png in ("throughput.png", "roofline.png", "speedup_vs_tau.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_backend_or_suite_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="unknown backend.*nope.*known: "):
+        cli.main(["-b", "nope", "-o", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown suite.*speed"):
+        cli.main(["--suites", "speed", "-b", "numpy", "-o", str(tmp_path)])
+
+
+def test_llama_cpp_greedy_tokens_equal_ours_on_the_synthetic_model(tmp_path):
+    """llama.cpp is an independent implementation reading the same GGUF."""
+    reason = peer_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from dflash_ir.benchmark.e2e import run_end_to_end
+
+    model = synthetic_model(small=True)
+    ours = run_end_to_end("numpy", model, tmp_path, max_tokens=12)
+    theirs = run_llama_cpp(model.name, model.target, ours.prompt_ids, len(ours.tokens))
+    assert theirs.tokens == ours.tokens
+    assert theirs.prefill_tps > 0 and theirs.decode_tps > 0

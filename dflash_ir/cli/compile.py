@@ -6,12 +6,15 @@ import sys
 import time
 
 from dflash_ir.artifact import DEFAULT_CTX, compile_pair
+from dflash_ir.backends.base import BackendUnavailable
+from dflash_ir.backends.toolchain import CompileError
 from dflash_ir.errors import DflashError
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CTX, help=f"context size in tokens (default {DEFAULT_CTX})")
-    p.add_argument("--backend", default="auto", help="numpy, opencl, cuda, rocm, or auto: CUDA with a GPU, else OpenCL, else numpy (default auto)")
+    p.add_argument("--backend", default="auto", help="numpy, opencl, vulkan, cuda, rocm, tvm-llvm, tvm-opencl, tvm-cuda, tvm-rocm, or auto: CUDA with a "
+                        "GPU, else Vulkan on a GPU, else OpenCL, else numpy (default auto)")
     p.add_argument("--spec-draft-n-max", type=int, default=15, help="default number of proposals per round (default 15)")
     p.add_argument("-O", dest="opt_level", type=int, choices=(0, 1, 2), default=None,
                    help="optimisation level: 0 graphs as built, 1 canonicalise, 2 all passes "
@@ -20,13 +23,15 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_backend(name: str) -> str:
-    """`auto` picks the best backend that can run here."""
+    """`auto` picks the best backend that can run here: CUDA, Vulkan on a GPU, OpenCL (a GPU,
+    else PoCL on the CPU), the interpreter."""
     if name != "auto":
         return name
     from dflash_ir.backends.base import get_backend, known_backends
 
-    for candidate in ("cuda", "opencl", "numpy"):
-        if candidate in known_backends() and get_backend(candidate).unavailable_reason() is None:
+    for candidate, cpu_too in (("cuda", True), ("vulkan", False), ("opencl", True)):
+        backend = get_backend(candidate) if candidate in known_backends() else None
+        if backend and backend.unavailable_reason() is None and (cpu_too or not backend.device_is_cpu()):
             return candidate
     return "numpy"
 
@@ -45,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                            n_ctx=args.ctx_size, n_max=args.spec_draft_n_max, opt_level=args.opt_level,
                            dump_dir=args.dump_ir,
                            progress=lambda msg: print(f"dflash-compile: {msg}", file=sys.stderr, flush=True))
-    except (DflashError, ValueError, OSError) as e:
+    except (DflashError, ValueError, OSError, BackendUnavailable, CompileError) as e:
         print(f"dflash-compile: error: {e}", file=sys.stderr)
         return 1
     print(f"dflash-compile: done in {time.perf_counter() - t0:.1f}s -> {out}", file=sys.stderr)

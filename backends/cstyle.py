@@ -23,6 +23,12 @@ macros. A `Dialect` subclass supplies the vocabulary's meaning as class-attribut
     ROUND_HALF(v)           v rounded to f16 (nearest even), as f32
     DOT4_I8(a, b, acc)      acc + dot of the four signed bytes of ints a and b
     BF16_AT(b, i) Q8_0_AT(b, row, i)   weight reads, defined once from the above (DERIVED)
+    ACC8_ZERO(a, n)         declare a[0..n): n zeroed accumulators of eight f32 sums each
+    ACC8_SUM(a)             the total of one accumulator's eight sums
+    Q8_0_DEQUANT32(v, b, o) declare v: the 32 values d * q of the Q8_0 block at byte o of b
+    DOT32_ACC8(a, v, x, xc) accumulator a += v[e] * x[xc + e], term e into sum e % 8
+                            (these four are DERIVED as loops; OpenCL uses its vector types,
+                            which PoCL turns into wide loads and FMAs)
     expf logf log1pf sqrtf cosf sinf fabsf fmaxf fminf roundf, INFINITY   (C99 float names)
 
 Variables are int, float, bool, i64 or u32 (i8 u8 u16 only name buffer element types), and
@@ -45,12 +51,18 @@ DEVICE float sigmoid_f32(float x) {
 DEVICE float softplus_f32(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
 """
 
-# Vocabulary defined from the dialect macros, the same text for every dialect. A Q8_0 block
-# is an fp16 scale d then 32 int8 quants (34 bytes); `row` is the byte offset of a row.
+# Vocabulary defined from the dialect macros, the same text for every dialect unless a
+# dialect has a faster form. A Q8_0 block is an fp16 scale d then 32 int8 quants (34
+# bytes); `row` is the byte offset of a row.
 DERIVED = {
     "BF16_AT(b, i)": "BITS_TO_FLOAT(U32(LD_U16(b, i)) << 16)",
     "Q8_0_AT(b, row, i)": "(HALF_AT_BYTE(b, (row) + ((i) >> 5) * 34) * "
                           "F32(LD_I8(b, (row) + ((i) >> 5) * 34 + 2 + ((i) & 31))))",
+    "ACC8_ZERO(a, n)": "float a[n][8]; for (int q8e = 0; q8e < (n) * 8; ++q8e) a[q8e / 8][q8e % 8] = 0.0f",
+    "ACC8_SUM(a)": "(((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])))",
+    "Q8_0_DEQUANT32(v, b, o)": "float v[32]; { float q8d = HALF_AT_BYTE(b, o); "
+                               "for (int q8e = 0; q8e < 32; ++q8e) v[q8e] = q8d * F32(LD_I8(b, (o) + 2 + q8e)); }",
+    "DOT32_ACC8(a, v, x, xc)": "for (int q8e = 0; q8e < 32; ++q8e) a[q8e & 7] += v[q8e] * x[U32((xc) + q8e)]",
 }
 
 # The conversions and narrow-buffer accesses of the C dialects: plain casts and indexing.
@@ -106,7 +118,7 @@ class Dialect:
     macros: dict[str, str] = {}
 
     def prelude(self) -> str:
-        defs = "\n".join(f"#define {k} {v}" for k, v in {**C_MACROS, **self.macros, **DERIVED}.items())
+        defs = "\n".join(f"#define {k} {v}" for k, v in {**C_MACROS, **DERIVED, **self.macros}.items())
         return f"{self.includes}\n{defs}\n"
 
     def signature(self, k: Kernel) -> str:
@@ -151,6 +163,13 @@ class OpenCLDialect(Dialect):
         "BITS_TO_FLOAT(u)": "as_float(u)",
         "ROUND_HALF(v)": "round_half_portable(v)",
         "DOT4_I8(a, b, acc)": "((acc) + dot4_i8_portable((a), (b)))",
+        "ACC8_ZERO(a, n)": "float8 a[n]; for (int q8e = 0; q8e < (n); ++q8e) a[q8e] = (float8)(0.0f)",
+        "ACC8_SUM(a)": "(((a).s0 + (a).s1) + ((a).s2 + (a).s3)) + (((a).s4 + (a).s5) + ((a).s6 + (a).s7))",
+        "Q8_0_DEQUANT32(v, b, o)": "float16 v[2]; { float q8d = HALF_AT_BYTE(b, o); "
+                                   "v[0] = q8d * convert_float16(as_char16(vload16(0, (b) + (o) + 2))); "
+                                   "v[1] = q8d * convert_float16(as_char16(vload16(0, (b) + (o) + 18))); }",
+        "DOT32_ACC8(a, v, x, xc)": "{ float16 q8p = (v)[0] * vload16(0, (x) + (xc)) + (v)[1] * vload16(0, (x) + (xc) + 16); "
+                                   "a += q8p.lo + q8p.hi; }",
         **{f"{f}f": f for f in _C99_FLOAT_MATH},
     }
 

@@ -15,6 +15,9 @@ class NumpyBackend(Backend):
     name = "numpy"
     default_opt_level = 0
 
+    def device_is_cpu(self) -> bool:
+        return True
+
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         return {"kernels": []}
 

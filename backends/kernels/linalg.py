@@ -146,31 +146,35 @@ def matmul_launch(ctx: NodeCtx, *, act_quant: bool = False) -> None:
 def _rowwise_body(dtype: DType, M: str, N: str, k: Dim, R: int, store: str, wrow: str = "n",
                   xrow: str = "I64(row) * {K}") -> str:
     """CPU schedule of x @ wᵀ, any row count: a work-item owns output column n for a block of
-    ROWWISE_ROWS rows, dequantises each 32-element chunk of w's row n once and applies it to
-    every row of the block, accumulating into 32 independent sums per row, which a CPU
-    compiler turns into vector FMAs (one running sum would be a serial dependency chain).
+    R rows, dequantises each 32-element chunk of w's row n once and applies it to every row
+    of the block, accumulating into independent sums per row, which a CPU compiler turns
+    into vector FMAs (one running sum would be a serial dependency chain).
     Work-groups are numbered row-block fastest, so consecutive ones read the same
     ROWWISE_COLS weight rows, from cache after the first. Without a ragged K tail the
-    chunk loops have constant trip counts, which is what lets them vectorise. `wrow` is the
-    weight row of column n (of `r0` too for R = 1), `xrow` the offset of x's row `row`."""
+    chunk loops have constant trip counts, which is what lets them vectorise. Q8_0 blocks go
+    through the dialect's block macros (Q8_0_DEQUANT32, DOT32_ACC8, in OpenCL vector types)
+    into eight sums per row. `wrow` is the weight row of column n (of `r0` too for R = 1),
+    `xrow` the offset of x's row `row`."""
     K = dim(k)
     xrow = xrow.format(K=K)
-    whole = isinstance(k, int) and k % 32 == 0 or dtype is DType.Q8_0
-    inside = "" if whole else f" && c + e < {K}"
     if dtype is DType.Q8_0:
-        chunk = (f"    i64 blk = I64({wrow}) * {q8_row_bytes(k)} + (c / 32) * 34;\n    float d = HALF_AT_BYTE(w, blk);\n"
-                 f"    for (int e = 0; e < 32; ++e) wv[e] = d * F32(LD_I8(w, blk + 2 + e));\n")
+        declare = f"ACC8_ZERO(acc, {R});\n"
+        load = f"Q8_0_DEQUANT32(wv, w, I64({wrow}) * {q8_row_bytes(k)} + (c / 32) * 34);\n"
+        accumulate = f"DOT32_ACC8(acc[r], wv, x, {xrow} + c);\n"
+        total = "float s = ACC8_SUM(acc[r]);\n"
     else:
+        whole = isinstance(k, int) and k % 32 == 0
         value = weight_at(dtype, "w", wrow, "c + e", k)
-        chunk = f"    for (int e = 0; e < 32; ++e) wv[e] = {value if whole else f'c + e < {K} ? {value} : 0.0f'};\n"
-    return (f"  int r0 = GID(0) * {R}, n = GID(1) * {ROWWISE_COLS} + LID(0);\n  if (n >= {N}) return;\n"
-            f"  float acc[{R}][32];\n  float wv[32];\n"
-            f"  for (int r = 0; r < {R}; ++r) for (int e = 0; e < 32; ++e) acc[r][e] = 0.0f;\n"
-            f"  for (int c = 0; c < {K}; c += 32) {{\n{chunk}"
-            f"    for (int r = 0; r < {R} && r0 + r < {M}; ++r) {{\n      int row = r0 + r;\n      i64 xc = {xrow} + c;\n"
-            f"      for (int e = 0; e < 32{inside}; ++e) acc[r][e] += wv[e] * x[xc + e];\n    }}\n  }}\n"
-            f"  for (int r = 0; r < {R} && r0 + r < {M}; ++r) {{\n    int row = r0 + r;\n    float s = 0.0f;\n"
-            f"    for (int e = 0; e < 32; ++e) s += acc[r][e];\n    {store};\n  }}\n")
+        declare = f"float acc[{R}][32];\n  for (int r = 0; r < {R}; ++r) for (int e = 0; e < 32; ++e) acc[r][e] = 0.0f;\n"
+        load = f"float wv[32];\n    for (int e = 0; e < 32; ++e) wv[e] = {value if whole else f'c + e < {K} ? {value} : 0.0f'};\n"
+        accumulate = (f"i64 xc = {xrow} + c;\n"
+                      f"      for (int e = 0; e < 32{'' if whole else f' && c + e < {K}'}; ++e) acc[r][e] += wv[e] * x[xc + e];\n")
+        total = "float s = 0.0f;\n    for (int e = 0; e < 32; ++e) s += acc[r][e];\n"
+    rows = f"for (int r = 0; r < {R} && r0 + r < {M}; ++r) {{\n"
+    return (f"  int r0 = GID(0) * {R}, n = GID(1) * {ROWWISE_COLS} + LID(0);\n  if (n >= {N}) return;\n  {declare}"
+            f"  for (int c = 0; c < {K}; c += 32) {{\n    {load}"
+            f"    {rows}      int row = r0 + r;\n      {accumulate}    }}\n  }}\n"
+            f"  {rows}    int row = r0 + r;\n    {total}    {store};\n  }}\n")
 
 
 @lowers("matmul")

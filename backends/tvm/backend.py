@@ -51,6 +51,11 @@ class TVMBackend(Backend):
 
         return f"{get_backend(self.native).device_description()}, kernels by TVM {version.PINNED}"
 
+    def device_is_cpu(self) -> bool:
+        from ..base import get_backend
+
+        return get_backend(self.native).device_is_cpu() if self.native else True
+
     def pin(self) -> dict[str, Any]:
         return {"version": version.PINNED, "target": TARGETS[self.target]}
 

@@ -77,7 +77,8 @@ class Bench:
             backend = get_backend(name)
             try:
                 reason = backend.unavailable_reason()
-                entry = {"skipped": reason} if reason else {"device": backend.device_description()}
+                entry = {"skipped": reason} if reason else {"device": backend.device_description(),
+                                                            "cpu": backend.device_is_cpu()}
             except Exception as e:  # a backend that cannot even say what it runs on is reported, not fatal
                 reason = f"{type(e).__name__}: {e}"
                 entry = {"skipped": reason}

@@ -28,6 +28,9 @@ def causal_conv1d(ctx: NodeCtx) -> None:
                groups=[cdiv(f"{T} * {C}", FLAT)])
 
 
+CPU_COLS = 8  # CPU schedule: state columns per work-item
+
+
 @lowers("gated_delta_rule")
 def gated_delta_rule(ctx: NodeCtx) -> None:
     """A thread per state column (v head h, value dim col) keeps S[:, col] in registers and
@@ -40,6 +43,8 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
     o, new_state, *rows = ctx.outs
     t, hk, dk = q.type.shape
     hv, dv = v.type.shape[1], v.type.shape[2]
+    if ctx.profile == "cpu" and isinstance(dv, int) and dv % CPU_COLS == 0:
+        return _gated_delta_rule_cpu(ctx)
     L = pow2_threads(dv, most=64) if isinstance(dv, int) else 64
     T, DK, DV = dim(t), dim(dk), dim(dv)
     kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
@@ -68,3 +73,44 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
                ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
     ctx.launch("gated_delta_rule", body, buffers=buffers + [("row_states", r, True) for r in rows],
                groups=[str(hv), cdiv(DV, L)], local=(L,))
+
+
+def _gated_delta_rule_cpu(ctx: NodeCtx) -> None:
+    """CPU schedule: a work-item per (v head, CPU_COLS state columns) streams the state
+    rows twice per token, once for k·S and once to write the updated rows (and sum y), with
+    nothing held but CPU_COLS-wide sums: the inner loops over contiguous columns become
+    vector loads and FMAs, where a thread holding a whole column does not vectorise. Row 0
+    reads `state`; later rows read the rows the previous token wrote to new_state."""
+    q, k, v, g, beta, state = ctx.ins
+    o, new_state, *rows = ctx.outs
+    t, hk, dk = q.type.shape
+    hv, dv = v.type.shape[1], v.type.shape[2]
+    T, DK, DV, C = dim(t), dim(dk), dim(dv), CPU_COLS
+    kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
+    cols = "for (int j = 0; j < " + str(C) + "; ++j)"
+    emit = f" row_states[I64(t) * {hv} * {DK} * {DV} + r + j] = s;" if rows else ""
+
+    def token(src: str) -> str:
+        return (f"    float decay = expf(g[t * {hv} + h]), b = beta[t * {hv} + h];\n"
+                f"    i64 qk = (I64(t) * {hk} + kh) * {DK}, vo = (I64(t) * {hv} + h) * {DV} + c0;\n"
+                f"    {cols} {{ sk[j] = 0.0f; y[j] = 0.0f; }}\n"
+                f"    for (int e = 0; e < {DK}; ++e) {{\n      float kv = k[qk + e];\n"
+                f"      i64 r = (I64(h) * {DK} + e) * {DV} + c0;\n      {cols} sk[j] += {src}[r + j] * kv;\n    }}\n"
+                f"    {cols} delta[j] = b * (v[vo + j] - decay * sk[j]);\n"
+                f"    for (int e = 0; e < {DK}; ++e) {{\n"
+                f"      float kv = k[qk + e], qv = q[qk + e] * {f32(ctx.attr['scale'])};\n"
+                f"      i64 r = (I64(h) * {DK} + e) * {DV} + c0;\n"
+                f"      {cols} {{ float s = decay * {src}[r + j] + kv * delta[j]; y[j] += s * qv; "
+                f"new_state[r + j] = s;{emit} }}\n    }}\n"
+                f"    {cols} o[vo + j] = y[j];\n")
+
+    body = (f"  int h = GID(0), c0 = LID(0) * {C}, kh = {kh};\n"
+            f"  float sk[{C}], y[{C}], delta[{C}];\n"
+            f"  if ({T} == 0) for (int e = 0; e < {DK}; ++e) {{ i64 r = (I64(h) * {DK} + e) * {DV} + c0; "
+            f"{cols} new_state[r + j] = state[r + j]; }}\n"
+            f"  for (int t = 0; t < min({T}, 1); ++t) {{\n{token('state')}  }}\n"
+            f"  for (int t = 1; t < {T}; ++t) {{\n{token('new_state')}  }}\n")
+    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
+               ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
+    ctx.launch("gated_delta_rule", body, buffers=buffers + [("row_states", r, True) for r in rows],
+               groups=[str(hv)], local=(dv // C,))

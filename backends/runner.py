@@ -17,6 +17,8 @@ call with sizes seen before replays that list without evaluating a size expressi
 """
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict
 from typing import Any, Callable, Mapping, Protocol
 
@@ -49,14 +51,11 @@ class DeviceArray:
     def __init__(self, device, buffer, shape: tuple[int, ...], dtype: np.dtype, offset: int = 0):
         self.device, self.buffer, self.offset = device, buffer, offset
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -108,6 +107,7 @@ class DeviceProgram:
                       | {s.value.name for s in graph.states})
         self._keeps_states = callable(getattr(device, "copy", None))
         self._row_states = {v for _, v in graph.meta_dict.get("row_states", ())}
+        self._symbols = graph.symbols  # walks every value: once, not per call
         self._last_use: dict[str, int] = {}
         for i, step in enumerate(plan.steps):
             for x in graph.nodes[step.node].inputs:
@@ -182,7 +182,7 @@ class DeviceProgram:
                         raise BindError(f"{self.graph.name}: {what} {v.name!r} binds {d}={n}, but {d}={bindings[d]} elsewhere")
                 # (ascontiguousarray would make 0-d arrays 1-d)
                 arrays[v.name] = arr if isinstance(arr, DeviceArray) else np.require(arr, requirements="C")
-        missing = self.graph.symbols - set(bindings)
+        missing = self._symbols - set(bindings)
         if missing:
             raise BindError(f"{self.graph.name}: symbols {sorted(missing)} are not bound by any input or state shape")
         return bindings, arrays

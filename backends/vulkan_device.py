@@ -22,6 +22,7 @@ buffers (record once, replay every decode step), which Kompute hides behind its 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import weakref
 from collections import OrderedDict
@@ -449,7 +450,9 @@ class VulkanDevice:
                 sType=v.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code), None)
             stage = v.VkPipelineShaderStageCreateInfo(sType=v.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
                                                       stage=v.VK_SHADER_STAGE_COMPUTE_BIT, module=module, pName="main")
+            # dispatch-base: a grid past maxComputeWorkGroupCount runs as several offset dispatches
             info = v.VkComputePipelineCreateInfo(sType=v.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage,
+                                                 flags=v.VK_PIPELINE_CREATE_DISPATCH_BASE_KHR,
                                                  layout=self._layout(n_buffers, n_ints))
             pipeline = v.vkCreateComputePipelines(self.device, None, 1, [info], None)[0]
             v.vkDestroyShaderModule(self.device, module, None)
@@ -509,15 +512,16 @@ class VulkanDevice:
     # -- launches -----------------------------------------------------------------------
     def launch(self, kernel: str, groups, local, args: list) -> None:
         """Queue a dispatch of `groups` work-groups (the local size is in the shader); args
-        are the buffers, then the int32 push constants."""
+        are the buffers, then the int32 push constants. A grid larger than the device's
+        maxComputeWorkGroupCount is recorded as several dispatches with base offsets, which
+        the shaders see in gl_WorkGroupID as one grid."""
         buffers = tuple(a for a in args if isinstance(a, VulkanBuffer))
         ints = tuple(int(a) for a in args[len(buffers):])
         groups = tuple(int(g) for g in groups)
         if len(buffers) + len(ints) != len(args):
             raise TypeError(f"Vulkan kernel {kernel!r}: arguments must be buffers, then ints")
-        if any(g > m for g, m in zip(groups, self.max_groups)):
-            raise ValueError(f"Vulkan kernel {kernel!r}: {groups} work-groups exceed the device's limit "
-                             f"{self.max_groups} (maxComputeWorkGroupCount)")
+        if any(g > 2 ** 31 - 1 for g in groups):
+            raise ValueError(f"Vulkan kernel {kernel!r}: {groups} work-groups overflow gl_WorkGroupID")
         self._pending.append(_Dispatch(kernel, groups, buffers, ints))
 
     def copy(self, src: VulkanBuffer, src_offset: int, dst: VulkanBuffer, dst_offset: int, nbytes: int) -> None:
@@ -602,7 +606,10 @@ class VulkanDevice:
         if d.ints:
             values = v.ffi.new("int32_t[]", list(d.ints))
             v.vkCmdPushConstants(cb, layout, v.VK_SHADER_STAGE_COMPUTE_BIT, 0, 4 * len(d.ints), values)
-        v.vkCmdDispatch(cb, *d.groups)
+        spans = [[(base, min(limit, total - base)) for base in range(0, total, limit)]
+                 for total, limit in zip(d.groups, self.max_groups)]
+        for (bx, nx), (by, ny), (bz, nz) in itertools.product(*spans):
+            v.vkCmdDispatchBase(cb, bx, by, bz, nx, ny, nz)
 
     def _submit(self, cb) -> None:
         v = self._vk

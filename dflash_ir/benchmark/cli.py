@@ -145,9 +145,11 @@ class Bench:
                     b.name, m, self.work / "e2e", max_tokens=self.args.max_tokens))
                 if row:
                     self.results.e2e.append(row.to_dict())
+                    fewer = (f"  [{row.generated_tokens} tokens: more would take over a minute]"
+                             if row.generated_tokens < self.args.max_tokens else "")
                     self.say(f"  {m.name:10s} {b.name:10s} prefill {row.prefill_tps:8.1f} tok/s  decode "
                              f"{row.decode_tps:7.1f} tok/s  speculative {row.speculative_tps:7.1f} tok/s  "
-                             f"tau {row.tau:5.2f}  ({row.speedup:.2f}x)")
+                             f"tau {row.tau:5.2f}  ({row.speedup:.2f}x){fewer}")
 
     def peer(self, models) -> None:
         self.say("\n== peer: llama.cpp ==")

@@ -39,7 +39,10 @@ class EndToEnd:
 
 
 def run_end_to_end(backend: str, model: BenchModel, work_dir: Path, *, prompt_tokens: int = 64,
-                   max_tokens: int = 32, n_ctx: int = 512) -> EndToEnd:
+                   max_tokens: int = 32, n_ctx: int = 512, seconds: float = 60.0) -> EndToEnd:
+    """`max_tokens` per timed generation, fewer where the warm-up's speed says that many
+    would take longer than `seconds` (a slow backend on the synthetic target: minutes per
+    token); the result records how many were generated."""
     out = compile_pair(model.target, model.draft, out=Path(work_dir) / f"{model.name}-{backend}", backend=backend,
                        n_ctx=n_ctx)
     engine = load_compiled(out, load_tokenizer=model.prompt is not None)
@@ -47,10 +50,12 @@ def run_end_to_end(backend: str, model: BenchModel, work_dir: Path, *, prompt_to
         ids = engine.encode_prompt(model.prompt)
     else:
         ids = np.random.default_rng(0).integers(16, RANDOM_IDS_BELOW, prompt_tokens).tolist()
-    for speculative in (True, False):  # warm-up: first launches build kernels on some backends
-        engine.generate(prompt_ids=ids, max_tokens=4, speculative=speculative, ignore_eos=True)
-    plain = engine.generate(prompt_ids=ids, max_tokens=max_tokens, speculative=False, ignore_eos=True)
-    spec = engine.generate(prompt_ids=ids, max_tokens=max_tokens, speculative=True, ignore_eos=True)
+    # warm-up (first launches build kernels on some backends), which also prices a token
+    warm = [engine.generate(prompt_ids=ids, max_tokens=4, speculative=s, ignore_eos=True) for s in (True, False)]
+    affordable = min(seconds * _after_first(w) for w in warm)
+    n = max(2, min(max_tokens, int(affordable)))
+    plain = engine.generate(prompt_ids=ids, max_tokens=n, speculative=False, ignore_eos=True)
+    spec = engine.generate(prompt_ids=ids, max_tokens=n, speculative=True, ignore_eos=True)
     if spec.tokens != plain.tokens:
         raise AssertionError(f"{backend}/{model.name}: speculative tokens differ from target-only tokens:\n"
                              f"  speculative {spec.tokens}\n  target-only {plain.tokens}")

@@ -29,6 +29,10 @@ macros. A `Dialect` subclass supplies the vocabulary's meaning as class-attribut
     DOT32_ACC8(a, v, x, xc) accumulator a += v[e] * x[xc + e], term e into sum e % 8
                             (these four are DERIVED as loops; OpenCL uses its vector types,
                             which PoCL turns into wide loads and FMAs)
+    WG_SUM(buf, n) WG_MAX(buf, n)   reduce LOCAL buf[n] (n a power of two, the work-group
+                            size, indexed by `lid`) into buf[0], then a barrier: a barrier
+                            tree (DERIVED); GLSL with subgroup arithmetic reduces each
+                            subgroup in registers and only combines the subgroups' partials
     expf logf log1pf sqrtf cosf sinf fabsf fmaxf fminf roundf, INFINITY   (C99 float names)
 
 Variables are int, float, bool, i64 or u32 (i8 u8 u16 only name buffer element types), and
@@ -63,6 +67,9 @@ DERIVED = {
     "Q8_0_DEQUANT32(v, b, o)": "float v[32]; { float q8d = HALF_AT_BYTE(b, o); "
                                "for (int q8e = 0; q8e < 32; ++q8e) v[q8e] = q8d * F32(LD_I8(b, (o) + 2 + q8e)); }",
     "DOT32_ACC8(a, v, x, xc)": "for (int q8e = 0; q8e < 32; ++q8e) a[q8e & 7] += v[q8e] * x[U32((xc) + q8e)]",
+    "WG_SUM(buf, n)": "WG_TREE(buf, n, buf[lid] + buf[lid + s])",
+    "WG_MAX(buf, n)": "WG_TREE(buf, n, fmaxf(buf[lid], buf[lid + s]))",
+    "WG_TREE(buf, n, e)": "BARRIER(); for (int s = (n) / 2; s > 0; s >>= 1) { if (lid < s) buf[lid] = e; BARRIER(); }",
 }
 
 # The conversions and narrow-buffer accesses of the C dialects: plain casts and indexing.

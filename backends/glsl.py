@@ -40,13 +40,14 @@ class GLSLFeatures:
     storage8 / storage16  8- and 16-bit SSBO elements (else packed in uint words);
     int64                 64-bit buffer offsets (else `i64` is `int`: the runtime must then
                           refuse buffers of 2^31 bytes or more);
-    float16_int8          int8 arithmetic (sign extension of loaded quants).
-    No kernel uses subgroup operations (yet), so no variant requires any."""
+    float16_int8          int8 arithmetic (sign extension of loaded quants);
+    subgroups             subgroup arithmetic for work-group reductions (else barrier trees)."""
 
     storage8: bool = False
     storage16: bool = False
     int64: bool = False
     float16_int8: bool = False
+    subgroups: bool = False
 
     def required_device_features(self) -> tuple[str, ...]:
         """The VkPhysicalDevice*Features members this variant needs enabled."""
@@ -60,11 +61,11 @@ class GLSLFeatures:
         return tuple(name for flag, name in wanted if getattr(self, flag))
 
     def required_subgroup_operations(self) -> tuple[str, ...]:
-        """VkSubgroupFeatureFlagBits names the shaders need: none, no kernel uses subgroups."""
-        return ()
+        """VkSubgroupFeatureFlagBits names the shaders need in the compute stage."""
+        return ("VK_SUBGROUP_FEATURE_BASIC_BIT", "VK_SUBGROUP_FEATURE_ARITHMETIC_BIT") if self.subgroups else ()
 
 
-FULL = GLSLFeatures(storage8=True, storage16=True, int64=True, float16_int8=True)
+FULL = GLSLFeatures(storage8=True, storage16=True, int64=True, float16_int8=True, subgroups=True)
 BASELINE = GLSLFeatures()
 
 
@@ -103,7 +104,7 @@ def render_glsl(kernel: Kernel, features: GLSLFeatures) -> str:
         members = " ".join(f"int {n};" for n in kernel.ints)
         parts.append(f"layout(push_constant, std430) uniform Ints {{ {members} }};")
     parts += [f"shared {t} {_glsl_name(n)}[{size}];" for t, n, size in shared]
-    parts += [f"#define {k} {v}" for k, v in {**_macros(features), **DERIVED}.items()]
+    parts += [f"#define {k} {v}" for k, v in {**DERIVED, **_macros(features)}.items()]
     parts += [GLSL_HELPERS.strip(), HELPERS.strip(), f"void main() {{\n{body.rstrip()}\n}}\n"]
     return "\n".join(parts)
 
@@ -148,7 +149,8 @@ def _index_as_uint(text: str, buffers: set[str]) -> str:
 def _extensions(f: GLSLFeatures) -> list[str]:
     wanted = [(f.storage8, "GL_EXT_shader_8bit_storage"), (f.storage16, "GL_EXT_shader_16bit_storage"),
               (f.int64, "GL_EXT_shader_explicit_arithmetic_types_int64"),
-              (f.float16_int8, "GL_EXT_shader_explicit_arithmetic_types_int8")]
+              (f.float16_int8, "GL_EXT_shader_explicit_arithmetic_types_int8"),
+              (f.subgroups, "GL_KHR_shader_subgroup_basic"), (f.subgroups, "GL_KHR_shader_subgroup_arithmetic")]
     return [f"#extension {name} : require" for on, name in wanted if on]
 
 
@@ -184,6 +186,15 @@ def _macros(f: GLSLFeatures) -> dict[str, str]:
         "log1pf": "log1p_f32", "roundf": "round_half_away", "sinf": "sin_f32", "cosf": "cos_f32",
         "INFINITY": "uintBitsToFloat(0x7f800000u)",
     }
+    if f.subgroups:
+        # each subgroup's total lands in its slot (gl_SubgroupID < the group size), then one
+        # invocation combines the few slots: no assumption on how lanes map to lid
+        m["WG_SUBGROUPS(buf, n, op, identity, e)"] = (
+            "BARRIER(); { float sg = op(lid < (n) ? buf[lid] : (identity)); BARRIER(); "
+            "if (subgroupElect()) buf[gl_SubgroupID] = sg; } BARRIER(); "
+            "if (lid == 0) for (int s = 1; s < int(gl_NumSubgroups); ++s) buf[0] = e; BARRIER();")
+        m["WG_SUM(buf, n)"] = "WG_SUBGROUPS(buf, n, subgroupAdd, 0.0, buf[0] + buf[s])"
+        m["WG_MAX(buf, n)"] = "WG_SUBGROUPS(buf, n, subgroupMax, -INFINITY, max(buf[0], buf[s]))"
     if f.storage16:
         m["LD_U16(b, i)"] = "int(uint(b[uint(i)]))"
         m["ST_U16(b, i, v)"] = "b[uint(i)] = uint16_t(uint(v) & 0xffffu)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dflash_ir.ir import Value
 
 from ..lowering import NodeCtx, attention_epilogue, attention_prologue, lowers
-from .common import FLAT, cdiv, dim, f32, flat_launch, prod, read, tree_reduce, write
+from .common import FLAT, cdiv, dim, f32, flat_launch, group_reduce, prod, read, write
 
 THREADS = 64
 KEY_CHUNK = 32   # CPU schedule: keys scored between two rescales of the output row
@@ -58,9 +58,9 @@ def attention_launch(ctx: NodeCtx, q: Value, k: Value, v: Value, kv_len: Value, 
             f"    if (j < hi) {{\n{key_row}"
             f"      float qk = 0.0f;\n      for (int e = 0; e < {D}; ++e) qk += qs[e] * {key};\n"
             f"      s = qk * {f32(scale)};\n    }}\n"
-            f"    red[lid] = s;\n" + _indent(tree_reduce("red", L, "fmaxf(a, b)")) +
+            f"    red[lid] = s;\n" + _indent(group_reduce("red", L, "max")) +
             "    float mt = fmaxf(m, red[0]);\n    float pj = j < hi ? expf(s - mt) : 0.0f;\n"
-            "    BARRIER();\n    p[lid] = pj;\n    red[lid] = pj;\n" + _indent(tree_reduce("red", L, "a + b")) +
+            "    BARRIER();\n    p[lid] = pj;\n    red[lid] = pj;\n" + _indent(group_reduce("red", L, "sum")) +
             f"    float alpha = expf(m - mt);\n    l = l * alpha + red[0];\n    m = mt;\n"
             f"    int count = min({L}, hi - base);\n"
             f"    for (int e = 0; e < {per}; ++e) {{\n      int c = lid + e * {L};\n      float a = acc[e] * alpha;\n"

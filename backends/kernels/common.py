@@ -128,12 +128,10 @@ def q8_row_bytes(k: Dim) -> str:
     return f"({dim(k)} / 32 * 34)"
 
 
-def tree_reduce(buf: str, n: int, combine: str) -> str:
-    """In-place work-group reduction of LOCAL `buf[n]` (n a power of two, indexed by `lid`)
-    into buf[0]; `combine` is a C expression of `a` and `b`. Ends with a barrier."""
-    return (f"  BARRIER();\n  for (int s = {n // 2}; s > 0; s >>= 1) {{\n"
-            f"    if (lid < s) {{ float a = {buf}[lid], b = {buf}[lid + s]; {buf}[lid] = {combine}; }}\n"
-            f"    BARRIER();\n  }}\n")
+def group_reduce(buf: str, n: int, op: str) -> str:
+    """In-place work-group reduction ("sum" or "max") of LOCAL `buf[n]` (n a power of two,
+    the work-group size, indexed by `lid`) into buf[0]; ends with a barrier."""
+    return f"  WG_{op.upper()}({buf}, {n});\n"
 
 
 def pow2_threads(n: int, most: int = 256, least: int = 32) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dflash_ir.dtypes import DType
 
 from ..lowering import NodeCtx, lowers
-from .common import FLAT, cdiv, dim, f32, flat_launch, pow2_threads, prod, tree_reduce, weight_at
+from .common import FLAT, cdiv, dim, f32, flat_launch, group_reduce, pow2_threads, prod, weight_at
 
 
 def _row_threads(n) -> int:
@@ -28,7 +28,7 @@ def _norm(ctx: NodeCtx, mean: bool) -> None:
     body = (f"  int row = GID(0), lid = LID(0);\n  i64 xr = I64(row) * {N};\n"
             f"  LOCAL float red[{L}];\n  float acc = 0.0f;\n"
             f"  for (int k = lid; k < {N}; k += {L}) acc += x[xr + k] * x[xr + k];\n  red[lid] = acc;\n"
-            + tree_reduce("red", L, "a + b") +
+            + group_reduce("red", L, "sum") +
             f"  float r = 1.0f / sqrtf({sumsq} + {f32(ctx.attr['eps'])});\n"
             f"  for (int k = lid; k < {N}; k += {L}) out[xr + k] = x[xr + k] * r{weight};\n")
     ctx.launch(ctx.node.op, body, buffers=buffers + [("out", ctx.outs[0], True)],
@@ -56,10 +56,10 @@ def softmax(ctx: NodeCtx) -> None:
     body = (f"  int line = GID(0), lid = LID(0), o = line / {inner}, r = line % {inner};\n"
             f"  LOCAL float red[{L}];\n  float m = -INFINITY, s = 0.0f;\n"
             f"  for (int k = lid; k < {N}; k += {L}) m = fmaxf(m, x[{at}]);\n  red[lid] = m;\n"
-            + tree_reduce("red", L, "fmaxf(a, b)") +
+            + group_reduce("red", L, "max") +
             f"  m = red[0];\n  BARRIER();\n"
             f"  for (int k = lid; k < {N}; k += {L}) s += expf(x[{at}] - m);\n  red[lid] = s;\n"
-            + tree_reduce("red", L, "a + b") +
+            + group_reduce("red", L, "sum") +
             f"  s = red[0];\n"
             f"  for (int k = lid; k < {N}; k += {L}) out[{at}] = expf(x[{at}] - m) / s;\n")
     ctx.launch("softmax", body, buffers=[("x", x, False), ("out", ctx.outs[0], True)],

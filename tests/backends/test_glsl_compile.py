@@ -36,8 +36,10 @@ LOCAL_SIZE, NON_WRITABLE, BINDING, DESCRIPTOR_SET, OFFSET = 17, 24, 33, 34, 35
 WORKGROUP, PUSH_CONSTANT, STORAGE_BUFFER = 4, 9, 12
 GL_COMPUTE = 5
 # capability -> the Vulkan device feature that allows it (None: every Vulkan device)
+# SPIR-V capability -> the device feature or compute-stage subgroup operation it needs
 CAPABILITY_FEATURE = {1: None, 11: "shaderInt64", 22: "shaderInt16", 39: "shaderInt8",
-                      4433: "storageBuffer16BitAccess", 4448: "storageBuffer8BitAccess"}
+                      4433: "storageBuffer16BitAccess", 4448: "storageBuffer8BitAccess",
+                      61: "VK_SUBGROUP_FEATURE_BASIC_BIT", 63: "VK_SUBGROUP_FEATURE_ARITHMETIC_BIT"}
 
 
 def _string(words) -> str:
@@ -100,7 +102,8 @@ def check_interface(kernel: Kernel, features, code: bytes) -> None:
     assert spv["buffers"] == {i: (0, _glsl_name(b.name), not b.writes) for i, b in enumerate(kernel.buffers)}
     assert spv["push_constants"] == [(n, 4 * i) for i, n in enumerate(kernel.ints)]
     needed = {CAPABILITY_FEATURE[c] for c in spv["capabilities"]} - {None}
-    assert needed <= set(features.required_device_features()), kernel.name
+    assert needed <= set(features.required_device_features()) | set(features.required_subgroup_operations()), \
+        kernel.name
 
 
 def compile_and_check(kernels, features) -> None:
@@ -152,6 +155,18 @@ def test_variants_differ_in_what_they_require(spirv_tools, selftest_kernels):
     assert FULL.required_device_features() == ("storageBuffer8BitAccess", "storageBuffer16BitAccess",
                                                "shaderInt64", "shaderInt8")
     assert BASELINE.required_device_features() == BASELINE.required_device_extensions() == ()
+
+
+def test_full_variant_reduces_work_groups_with_subgroup_arithmetic(spirv_tools, selftest_kernels):
+    """A work-group reduction (softmax: a max, then a sum) is subgroup arithmetic in FULL and
+    a barrier tree in BASELINE; the numerics of both run on lavapipe in test_vulkan_kernels."""
+    softmax = next(k for k in selftest_kernels if k.op == "softmax" and "WG_MAX" in k.body)
+    full = spirv_interface(compile_spirv(render_glsl(softmax, FULL), name=softmax.name))["capabilities"]
+    assert {"VK_SUBGROUP_FEATURE_BASIC_BIT", "VK_SUBGROUP_FEATURE_ARITHMETIC_BIT"} <= {CAPABILITY_FEATURE[c] for c in full}
+    assert set(FULL.required_subgroup_operations()) == {"VK_SUBGROUP_FEATURE_BASIC_BIT",
+                                                        "VK_SUBGROUP_FEATURE_ARITHMETIC_BIT"}
+    base = spirv_interface(compile_spirv(render_glsl(softmax, BASELINE), name=softmax.name))["capabilities"]
+    assert not {61, 63} & base and BASELINE.required_subgroup_operations() == ()
 
 
 # -- the translation --------------------------------------------------------------------

@@ -67,7 +67,8 @@ def markdown(r: Results) -> str:
                 "A slow backend generates fewer tokens (what fits in about a minute).", "",
                 _table(["model", "engine", "prompt", "generated", "prefill tok/s", "decode tok/s", "speculative tok/s",
                         "tau", "spec/decode"], rows), ""]
-        matches = [f"{p['model']}: llama.cpp's greedy tokens equal ours for {p['matching_tokens']}/{p['generated_tokens']}"
+        matches = [f"{p['model']}: llama.cpp's greedy tokens equal ours ({p['compared_with']}) for "
+                   f"{p['matching_tokens']}/{p['generated_tokens']}"
                    for p in r.peer if "matching_tokens" in p]
         out += [f"- {m}" for m in matches] + ([""] if matches else [])
     if r.failures:

@@ -18,7 +18,6 @@ call with sizes seen before replays that list without evaluating a size expressi
 from __future__ import annotations
 
 import math
-
 from collections import OrderedDict
 from typing import Any, Callable, Mapping, Protocol
 

@@ -33,61 +33,57 @@ CPU_COLS = 8  # CPU schedule: state columns per work-item
 
 @lowers("gated_delta_rule")
 def gated_delta_rule(ctx: NodeCtx) -> None:
-    """A thread per state column (v head h, value dim col) keeps S[:, col] in registers and
-    walks the rows in order, so every reduction over the key dim stays inside the thread;
-    the work-group shares each row's q and k through local memory (GPU profile; on a CPU
-    they are read where they are, and a work-group without barriers vectorises across its
-    columns). The chunked form (chunk_size > 0) is the same recurrence, so it runs this
-    kernel too."""
+    """The gated delta rule over T rows from `state`, one kernel either way: the CPU schedule
+    where the value dim splits into CPU_COLS-wide column groups, else the GPU one (which is
+    also correct on a CPU). The chunked form (chunk_size > 0) is the same recurrence, so it
+    runs these kernels too."""
     q, k, v, g, beta, state = ctx.ins
     o, new_state, *rows = ctx.outs
     t, hk, dk = q.type.shape
     hv, dv = v.type.shape[1], v.type.shape[2]
-    if ctx.profile == "cpu" and isinstance(dv, int) and dv % CPU_COLS == 0:
-        return _gated_delta_rule_cpu(ctx)
-    L = pow2_threads(dv, most=64) if isinstance(dv, int) else 64
-    T, DK, DV = dim(t), dim(dk), dim(dv)
     kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
-    cell = f"(I64(h) * {DK} + e) * {DV} + col"
-    emit = f"      for (int e = 0; e < {DK}; ++e) row_states[I64(t) * {hv} * {DK} * {DV} + {cell}] = S[e];\n" if rows else ""
-    qk_row = f"(I64(t) * {hk} + kh) * {DK}"
-    if ctx.profile == "cpu":  # q and k rows come from cache anyway: no staging, no barriers
-        stage, qs, ks = "", f"(q[{qk_row} + e] * {f32(ctx.attr['scale'])})", f"k[{qk_row} + e]"
+    shape = (dim(t), dim(dk), dim(dv), hk, hv)
+    scale = f32(ctx.attr["scale"])
+    if ctx.profile == "cpu" and isinstance(dv, int) and dv % CPU_COLS == 0:
+        body, groups, local = _cpu_body(*shape, kh, scale, bool(rows)), [str(hv)], (dv // CPU_COLS,)
     else:
-        stage = (f"    BARRIER();\n    for (int e = lid; e < {DK}; e += {L}) {{\n"
-                 f"      qs[e] = q[{qk_row} + e] * {f32(ctx.attr['scale'])};\n      ks[e] = k[{qk_row} + e];\n    }}\n"
-                 f"    BARRIER();\n")
-        qs, ks = "qs[e]", "ks[e]"
-    body = (f"  int h = GID(0), lid = LID(0), col = GID(1) * {L} + lid, kh = {kh};\n  bool live = col < {DV};\n"
-            + ("" if ctx.profile == "cpu" else f"  LOCAL float qs[{dk}];\n  LOCAL float ks[{dk}];\n") +
-            f"  float S[{dk}];\n"
-            f"  for (int e = 0; e < {DK}; ++e) S[e] = live ? state[{cell}] : 0.0f;\n"
-            f"  for (int t = 0; t < {T}; ++t) {{\n{stage}"
-            f"    float decay = expf(g[t * {hv} + h]), b = beta[t * {hv} + h], sk = 0.0f, y = 0.0f;\n"
-            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] *= decay; sk += S[e] * {ks}; }}\n"
-            f"    float delta = b * ((live ? v[(I64(t) * {hv} + h) * {DV} + col] : 0.0f) - sk);\n"
-            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] += {ks} * delta; y += S[e] * {qs}; }}\n"
-            f"    if (live) {{\n      o[(I64(t) * {hv} + h) * {DV} + col] = y;\n{emit}    }}\n  }}\n"
-            f"  if (live) for (int e = 0; e < {DK}; ++e) new_state[{cell}] = S[e];\n")
+        L = pow2_threads(dv, most=64) if isinstance(dv, int) else 64
+        body, groups, local = _gpu_body(*shape, kh, scale, bool(rows), dk, L), [str(hv), cdiv(dim(dv), L)], (L,)
     buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
                ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
     ctx.launch("gated_delta_rule", body, buffers=buffers + [("row_states", r, True) for r in rows],
-               groups=[str(hv), cdiv(DV, L)], local=(L,))
+               groups=groups, local=local)
 
 
-def _gated_delta_rule_cpu(ctx: NodeCtx) -> None:
-    """CPU schedule: a work-item per (v head, CPU_COLS state columns) streams the state
-    rows twice per token, once for k·S and once to write the updated rows (and sum y), with
-    nothing held but CPU_COLS-wide sums: the inner loops over contiguous columns become
-    vector loads and FMAs, where a thread holding a whole column does not vectorise. Row 0
-    reads `state`; later rows read the rows the previous token wrote to new_state."""
-    q, k, v, g, beta, state = ctx.ins
-    o, new_state, *rows = ctx.outs
-    t, hk, dk = q.type.shape
-    hv, dv = v.type.shape[1], v.type.shape[2]
-    T, DK, DV, C = dim(t), dim(dk), dim(dv), CPU_COLS
-    kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
-    cols = "for (int j = 0; j < " + str(C) + "; ++j)"
+def _gpu_body(T: str, DK: str, DV: str, hk: int, hv: int, kh: str, scale: str, rows: bool, dk, L: int) -> str:
+    """A thread per state column (v head h, value dim col) keeps S[:, col] in registers and
+    walks the rows in order, so every reduction over the key dim stays inside the thread;
+    the work-group shares each row's q and k through local memory."""
+    cell = f"(I64(h) * {DK} + e) * {DV} + col"
+    emit = f"      for (int e = 0; e < {DK}; ++e) row_states[I64(t) * {hv} * {DK} * {DV} + {cell}] = S[e];\n" if rows else ""
+    qk_row = f"(I64(t) * {hk} + kh) * {DK}"
+    return (f"  int h = GID(0), lid = LID(0), col = GID(1) * {L} + lid, kh = {kh};\n  bool live = col < {DV};\n"
+            f"  LOCAL float qs[{dk}];\n  LOCAL float ks[{dk}];\n  float S[{dk}];\n"
+            f"  for (int e = 0; e < {DK}; ++e) S[e] = live ? state[{cell}] : 0.0f;\n"
+            f"  for (int t = 0; t < {T}; ++t) {{\n"
+            f"    BARRIER();\n    for (int e = lid; e < {DK}; e += {L}) {{\n"
+            f"      qs[e] = q[{qk_row} + e] * {scale};\n      ks[e] = k[{qk_row} + e];\n    }}\n    BARRIER();\n"
+            f"    float decay = expf(g[t * {hv} + h]), b = beta[t * {hv} + h], sk = 0.0f, y = 0.0f;\n"
+            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] *= decay; sk += S[e] * ks[e]; }}\n"
+            f"    float delta = b * ((live ? v[(I64(t) * {hv} + h) * {DV} + col] : 0.0f) - sk);\n"
+            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] += ks[e] * delta; y += S[e] * qs[e]; }}\n"
+            f"    if (live) {{\n      o[(I64(t) * {hv} + h) * {DV} + col] = y;\n{emit}    }}\n  }}\n"
+            f"  if (live) for (int e = 0; e < {DK}; ++e) new_state[{cell}] = S[e];\n")
+
+
+def _cpu_body(T: str, DK: str, DV: str, hk: int, hv: int, kh: str, scale: str, rows: bool) -> str:
+    """A work-item per (v head, CPU_COLS state columns) streams the state rows twice per
+    token, once for k·S and once to write the updated rows (and sum y), with nothing held
+    but CPU_COLS-wide sums: the inner loops over contiguous columns become vector loads and
+    FMAs, where a thread holding a whole column does not vectorise. Row 0 reads `state`;
+    later rows read the rows the previous token wrote to new_state."""
+    C = CPU_COLS
+    cols = f"for (int j = 0; j < {C}; ++j)"
     emit = f" row_states[I64(t) * {hv} * {DK} * {DV} + r + j] = s;" if rows else ""
 
     def token(src: str) -> str:
@@ -98,19 +94,15 @@ def _gated_delta_rule_cpu(ctx: NodeCtx) -> None:
                 f"      i64 r = (I64(h) * {DK} + e) * {DV} + c0;\n      {cols} sk[j] += {src}[r + j] * kv;\n    }}\n"
                 f"    {cols} delta[j] = b * (v[vo + j] - decay * sk[j]);\n"
                 f"    for (int e = 0; e < {DK}; ++e) {{\n"
-                f"      float kv = k[qk + e], qv = q[qk + e] * {f32(ctx.attr['scale'])};\n"
+                f"      float kv = k[qk + e], qv = q[qk + e] * {scale};\n"
                 f"      i64 r = (I64(h) * {DK} + e) * {DV} + c0;\n"
                 f"      {cols} {{ float s = decay * {src}[r + j] + kv * delta[j]; y[j] += s * qv; "
                 f"new_state[r + j] = s;{emit} }}\n    }}\n"
                 f"    {cols} o[vo + j] = y[j];\n")
 
-    body = (f"  int h = GID(0), c0 = LID(0) * {C}, kh = {kh};\n"
+    return (f"  int h = GID(0), c0 = LID(0) * {C}, kh = {kh};\n"
             f"  float sk[{C}], y[{C}], delta[{C}];\n"
             f"  if ({T} == 0) for (int e = 0; e < {DK}; ++e) {{ i64 r = (I64(h) * {DK} + e) * {DV} + c0; "
             f"{cols} new_state[r + j] = state[r + j]; }}\n"
             f"  for (int t = 0; t < min({T}, 1); ++t) {{\n{token('state')}  }}\n"
             f"  for (int t = 1; t < {T}; ++t) {{\n{token('new_state')}  }}\n")
-    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
-               ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
-    ctx.launch("gated_delta_rule", body, buffers=buffers + [("row_states", r, True) for r in rows],
-               groups=[str(hv)], local=(dv // C,))

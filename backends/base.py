@@ -4,9 +4,10 @@
   device: source, SPIR-V, cubin ...), described by a JSON-able program entry;
 - load/run: program entry + artifact folder + weights -> a Program that runs on the device.
 
-A Program runs one graph: `run(inputs, states) -> RunResult(outputs, states)` with numpy
-arrays on the host side. Backends that keep state on the device may return device-backed
-arrays; the runtime only indexes and passes them back.
+A Program runs one graph: `run(inputs, states, keep=()) -> RunResult(outputs, states)` with
+numpy arrays on the host side. Backends that keep state on the device may return
+device-backed arrays for states and for the outputs named in `keep`; the runtime only takes
+rows of them and passes them back in.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import importlib
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Collection, Mapping, Protocol
 
 import numpy as np
 
@@ -29,7 +30,8 @@ class BackendUnavailable(RuntimeError):
 class Program(Protocol):
     graph: Graph
 
-    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray]) -> RunResult: ...
+    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray], *,
+            keep: Collection[str] = ()) -> RunResult: ...
 
 
 class Backend(ABC):

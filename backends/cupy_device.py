@@ -21,6 +21,7 @@ class CupyDevice:
         import cupy
 
         self._cupy = cupy
+        self.memory = ("gpu", cupy.cuda.Device().id)  # buffers of every module on this GPU
         self.module = _module(str(binary))
         self.kernels: dict[str, object] = {}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -89,6 +89,7 @@ class CLDevice:
 
         self._cl = cl
         self.ctx, self.queue, _ = _context()
+        self.memory = self.ctx  # every program's buffers live in the process's one context
 
     def alloc(self, nbytes: int):
         return self._cl.Buffer(self.ctx, self._cl.mem_flags.READ_WRITE, nbytes)
@@ -102,11 +103,31 @@ class CLDevice:
     def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
         self._cl.enqueue_copy(self.queue, dst, src, byte_count=nbytes, src_offset=src_offset, dst_offset=dst_offset)
 
+    def kernel(self, name: str):
+        return _LIBRARY.kernel(name)
+
     def launch(self, kernel: str, groups, local, args) -> None:
-        k = _LIBRARY.kernel(kernel)
+        k = self.kernel(kernel)
         k.set_args(*args)
-        size = tuple(g * l for g, l in zip(groups, local))
-        self._cl.enqueue_nd_range_kernel(self.queue, k, size, tuple(local))
+        self._cl.enqueue_nd_range_kernel(self.queue, k, _global_size(groups, local), tuple(local))
+
+    def prepare(self, launches) -> Callable[[], None]:
+        """A replay of `launches` with one kernel object per launch whose arguments are set
+        now: setting arguments costs pyopencl about as much host time as the enqueue."""
+        enqueue, queue, ready = self._cl.enqueue_nd_range_kernel, self.queue, []
+        for name, groups, local, args in launches:
+            k = self._cl.Kernel(self.kernel(name).program, name)
+            k.set_args(*args)
+            ready.append((k, _global_size(groups, local), tuple(local)))
+
+        def replay() -> None:
+            for k, size, local in ready:
+                enqueue(queue, k, size, local)
+        return replay
+
+
+def _global_size(groups, local) -> tuple[int, ...]:
+    return tuple(g * l for g, l in zip(groups, local))
 
 
 @register_backend

@@ -7,7 +7,9 @@ to the device, the steps launch in order, outputs are copied back. On a device t
 between its buffers, states stay there: updated states (and the per-row states a verify
 writes for rollback, graph meta "row_states") come back as `DeviceArray`s, which the
 runtime indexes and passes back in, so a decode or verify round moves no state through the
-host; `np.asarray` reads one when asked.
+host; `np.asarray` reads one when asked. Outputs the caller names in `keep` stay on the
+device the same way (a verify's logits and tap features: a greedy round reads neither), and
+any program whose device shares the memory (`Device.memory`) takes them as inputs.
 Weights are uploaded once, and steps that depend on weights only (e.g. dequantising a
 weight) run once at load; both are shared by every program of one load through `Resident`.
 Activation buffers are planned per set of symbol values by liveness (a buffer is reused
@@ -17,9 +19,10 @@ call with sizes seen before replays that list without evaluating a size expressi
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Collection, Mapping, Protocol
 
 import numpy as np
 
@@ -38,14 +41,19 @@ class Device(Protocol):
     def upload(self, buf: Any, array: np.ndarray) -> None: ...
     def download(self, buf: Any, array: np.ndarray) -> None: ...
     def launch(self, kernel: str, groups: tuple[int, ...], local: tuple[int, ...], args: list) -> None: ...
+    # optional: `prepare(launches) -> replay`, a function that launches a resolved launch list
+    # (kernel, groups, local, args) faster than one `launch` call per entry
     # optional: `copy(src, src_offset, dst, dst_offset, nbytes)` between buffers, in queue order;
     # a device that has it keeps states on the device between calls
+    # optional: `memory`, equal for devices whose buffers one another's `copy` can read
+    # (the programs of one load); default: the device itself
 
 
 class DeviceArray:
-    """A state that stays in a device buffer between calls (bytes from `offset`). The runtime
-    only indexes its first axis (a per-row state) and passes it back as a state; any other
-    use reads it to the host first (`np.asarray`)."""
+    """A state or output that stays in a device buffer between calls (bytes from `offset`),
+    valid until its program runs again. The runtime only takes rows of it (an int or a
+    step-1 slice of the first axis: a per-row state, the accepted rows' features) and passes
+    it back in; any other use reads it to the host first (`np.asarray`)."""
 
     def __init__(self, device, buffer, shape: tuple[int, ...], dtype: np.dtype, offset: int = 0):
         self.device, self.buffer, self.offset = device, buffer, offset
@@ -59,12 +67,18 @@ class DeviceArray:
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __getitem__(self, i: int) -> "DeviceArray":
+    def __getitem__(self, i: int | slice) -> "DeviceArray":
+        row_bytes = self.nbytes // len(self) if len(self) else 0
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise IndexError(f"DeviceArray takes contiguous rows only, got step {step}")
+            return DeviceArray(self.device, self.buffer, (max(0, stop - start), *self.shape[1:]), self.dtype,
+                               self.offset + start * row_bytes)
         if not isinstance(i, (int, np.integer)) or not -len(self) <= i < len(self):
-            raise IndexError(f"DeviceArray supports one in-range int index on its first axis, got {i!r}")
-        row = DeviceArray(self.device, self.buffer, self.shape[1:], self.dtype)
-        row.offset = self.offset + (int(i) % len(self)) * row.nbytes
-        return row
+            raise IndexError(f"DeviceArray supports an in-range int index or a slice on its first axis, got {i!r}")
+        return DeviceArray(self.device, self.buffer, self.shape[1:], self.dtype,
+                           self.offset + (int(i) % len(self)) * row_bytes)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
@@ -165,7 +179,7 @@ class DeviceProgram:
                 if v.name not in given:
                     raise BindError(f"{self.graph.name}: missing {what} {v.name!r} ({v.type})")
                 arr = given[v.name]
-                if not (isinstance(arr, DeviceArray) and arr.device is self.device):
+                if not (isinstance(arr, DeviceArray) and _memory(arr.device) == _memory(self.device)):
                     arr = np.asarray(arr)
                 if arr.dtype != v.type.dtype.numpy():
                     want = v.type.dtype.numpy()
@@ -285,13 +299,16 @@ class DeviceProgram:
         return bindings, env, sized
 
     def _launch_all(self, sized: "_Sized", env: dict[str, int]) -> None:
-        if sized.launches is None:
-            sized.launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)
-        launch = self.device.launch
-        for kernel, groups, local, args in sized.launches:
-            launch(kernel, groups, local, args)
+        if sized.replay is None:
+            launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)
+            prepare = getattr(self.device, "prepare", None)
+            sized.replay = prepare(launches) if callable(prepare) else functools.partial(_launch_each, self.device,
+                                                                                         launches)
+        sized.replay()
 
-    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None) -> RunResult:
+    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None, *,
+            keep: Collection[str] = ()) -> RunResult:
+        """Outputs named in `keep` come back as DeviceArrays where the device can hold them."""
         bindings, env, sized = self._prepare(inputs, states)
         self._launch_all(sized, env)
         buffers = sized.buffers
@@ -306,7 +323,7 @@ class DeviceProgram:
                 self.device.download(buffers[self._root(name)], out)
             return out
 
-        outputs = {name: read(value, name in self._row_states) for name, value in self.graph.outputs}
+        outputs = {name: read(value, name in self._row_states or name in keep) for name, value in self.graph.outputs}
         new_states = {s.value.name: read(s.update, True) for s in self.graph.states if s.update is not None}
         return RunResult(outputs, new_states, bindings)
 
@@ -324,12 +341,22 @@ class DeviceProgram:
 
 
 class _Sized:
-    """What calls with one set of symbol values share: every value's buffer, and the launch
-    list resolved on the first such call."""
+    """What calls with one set of symbol values share: every value's buffer, and a replay of
+    the launch list resolved on the first such call."""
 
     def __init__(self, buffers: dict[str, Any]):
         self.buffers = buffers
-        self.launches: list[tuple] | None = None
+        self.replay: Callable[[], None] | None = None
+
+
+def _memory(device: Device) -> Any:
+    return getattr(device, "memory", device)
+
+
+def _launch_each(device: Device, launches: list[tuple]) -> None:
+    launch = device.launch
+    for kernel, groups, local, args in launches:
+        launch(kernel, groups, local, args)
 
 
 def _nbytes(v: Value, bindings: Mapping[str, int]) -> int:

@@ -152,7 +152,7 @@ def _specialised(op: str, dtype: DType, form: str, residual: bool, act_quant: bo
     return make
 
 
-for _form, _t in (("gemv", 3), ("gemv", 20), ("gemm", 37)):  # the form is a hint: rows decide
+for _form, _t in (("gemv", 1), ("gemv", 3), ("gemv", 20), ("gemm", 37)):  # the form is a hint: rows decide
     case(f"matmul_q8_0_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, residual=_t == 3))
     case(f"matmul_q8_0_act_quant_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, False, True))
     case(f"matmul_f16_residual_{_t}_rows", T=_t)(_specialised("matmul_f16", F16, _form, residual=True))
@@ -203,20 +203,29 @@ for _t, _emit, _dt in ((1, False, F32), (5, True, F16)):
                                                                c.s("state", (3, 37)), emit_row_states=emit)))
 
 
-def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, emit: bool):
+def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, emit: bool, update: bool = False):
+    """update: the new state is the state's update (written in place) rather than an output."""
     def make(c: CaseBuilder) -> None:
         q = c.b.l2norm(c.x("q", ("T", hk, dk)), eps=1e-6)
         k = c.b.l2norm(c.x("k", ("T", hk, dk)), eps=1e-6)
         g = c.b.neg(c.b.softplus(c.x("g", ("T", hv))))
         beta = c.b.sigmoid(c.x("beta", ("T", hv)))
-        c.out(*c.b.gated_delta_rule(q, k, c.x("v", ("T", hv, dv)), g, beta, c.s("state", (hv, dk, dv)),
-                                    scale=dk ** -0.5, head_map=head_map, chunk_size=chunk, emit_row_states=emit))
+        state = c.s("state", (hv, dk, dv))
+        o, new, *rows = c.b.gated_delta_rule(q, k, c.x("v", ("T", hv, dv)), g, beta, state, scale=dk ** -0.5,
+                                             head_map=head_map, chunk_size=chunk, emit_row_states=emit)
+        if update:
+            c.b.update_state(state, new)
+            c.out(o, *rows)
+        else:
+            c.out(o, new, *rows)
     return make
 
 
 case("gated_delta_rule_rows_tiled", T=5)(_gdn(2, 4, 16, 16, "tiled", 0, True))
 case("gated_delta_rule_grouped_dv40", T=3)(_gdn(1, 3, 32, 40, "grouped", 0, False))
 case("gated_delta_rule_chunked_tail", T=7)(_gdn(2, 2, 16, 16, "tiled", 4, False))
+case("gated_delta_rule_in_place_rows", T=4)(_gdn(2, 4, 16, 24, "grouped", 0, True, update=True))
+case("gated_delta_rule_in_place_dv20", T=1)(_gdn(1, 2, 16, 20, "tiled", 0, False, update=True))
 
 # -- data movement ------------------------------------------------------------------------
 case("concat_axis1", T=3)(lambda c: c.out(c.b.concat(c.x("a", ("T", 4)), c.x("b", ("T", 7)), c.x("c", ("T", 1)), axis=1)))

@@ -22,7 +22,7 @@ from .errors import ArtifactError
 from .serialize import YAML_DUMPER, YAML_LOADER, dump_yaml, load_yaml
 
 FORMAT = "dflash-ir.artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: target programs output their greedy ids
 DEFAULT_CTX = 4096
 
 

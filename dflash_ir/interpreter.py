@@ -8,7 +8,7 @@ a weight) are computed once per interpreter and reused across calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -84,7 +84,9 @@ class Interpreter:
             out[v.name] = arr
         return out
 
-    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None) -> RunResult:
+    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None, *,
+            keep: Collection[str] = ()) -> RunResult:
+        """`keep` (outputs a device backend leaves on its device) changes nothing here."""
         g = self.graph
         bindings: dict[str, int] = {}
         env: dict[str, np.ndarray] = {}

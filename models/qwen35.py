@@ -5,10 +5,11 @@ One builder serves every call shape the runtime needs:
 - verify:  T rows on top of existing state, recurrent form, emitting per-row conv and
            recurrent states so the speculative loop can roll back to any row;
 - decode:  one row.
-Each returns logits for the rows listed in `logit_rows`, the concatenated residual-stream
-outputs of the tap layers (DFlash features), and updates the explicit state: a
-fixed-capacity KV cache per attention layer (rows >= kv_len are ignored, so rolling back
-attention is just a shorter kv_len), and conv + recurrent state per Gated DeltaNet layer.
+Each returns logits for the rows listed in `logit_rows` and their argmax ids (`greedy`), the
+concatenated residual-stream outputs of the tap layers (DFlash features), and updates the
+explicit state: a fixed-capacity KV cache per attention layer (rows >= kv_len are ignored,
+so rolling back attention is just a shorter kv_len), and conv + recurrent state per Gated
+DeltaNet layer.
 
 GGUF conventions honoured here (QWEN35.md §4, §11, §14): norms carry the `+1` already
 (except `ssm_norm`), `ssm_a` is -exp(A_log), value heads are in tiled order, the query
@@ -101,7 +102,9 @@ class Qwen35Builder:
         out = b.gather(h, logit_rows, axis=0, name="logit_rows")
         out = b.rmsnorm(out, self._w(b, "output_norm.weight"), eps=cfg.rms_eps)
         head = "token_embd.weight" if cfg.tied_output else "output.weight"
-        b.output("logits", self._linear(b, out, head))
+        logits = self._linear(b, out, head)
+        b.output("logits", logits)
+        b.output("greedy", b.argmax(logits))  # a greedy round reads these ids, not the logits
         if spec.taps:
             ordered = [features[sorted(spec.taps).index(t)] for t in spec.taps]
             b.output("features", b.concat(*ordered, axis=1, name="features") if len(ordered) > 1 else ordered[0])

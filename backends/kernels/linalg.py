@@ -153,15 +153,21 @@ def _rowwise_body(dtype: DType, M: str, N: str, k: Dim, R: int, store: str, wrow
     ROWWISE_COLS weight rows, from cache after the first. Without a ragged K tail the
     chunk loops have constant trip counts, which is what lets them vectorise. Q8_0 blocks go
     through the dialect's block macros (Q8_0_DEQUANT32, DOT32_ACC8, in OpenCL vector types)
-    into eight sums per row. `wrow` is the weight row of column n (of `r0` too for R = 1),
-    `xrow` the offset of x's row `row`."""
+    into eight sums per row (sixteen for a single row, two blocks per step). `wrow` is the
+    weight row of column n (of `r0` too for R = 1), `xrow` the offset of x's row `row`."""
     K = dim(k)
     xrow = xrow.format(K=K)
+    step = 32
     if dtype is DType.Q8_0:
-        declare = f"ACC8_ZERO(acc, {R});\n"
-        load = f"Q8_0_DEQUANT32(wv, w, I64({wrow}) * {q8_row_bytes(k)} + (c / 32) * 34);\n"
-        accumulate = f"DOT32_ACC8(acc[r], wv, x, {xrow} + c);\n"
-        total = "float s = ACC8_SUM(acc[r]);\n"
+        # one row (decode): two blocks per step into two sums, so two block loads are in flight
+        U = 2 if R == 1 and isinstance(k, int) and k % 64 == 0 else 1
+        step = 32 * U
+        declare = f"ACC8_ZERO(acc, {R * U});\n"
+        load = "\n    ".join(f"Q8_0_DEQUANT32(wv{u}, w, I64({wrow}) * {q8_row_bytes(k)} + (c / 32 + {u}) * 34);"
+                              for u in range(U)) + "\n"
+        accumulate = "\n      ".join(f"DOT32_ACC8(acc[r * {U} + {u}], wv{u}, x, {xrow} + c + {32 * u});"
+                                    for u in range(U)) + "\n"
+        total = "float s = " + " + ".join(f"ACC8_SUM(acc[r * {U} + {u}])" for u in range(U)) + ";\n"
     else:
         whole = isinstance(k, int) and k % 32 == 0
         value = weight_at(dtype, "w", wrow, "c + e", k)
@@ -172,7 +178,7 @@ def _rowwise_body(dtype: DType, M: str, N: str, k: Dim, R: int, store: str, wrow
         total = "float s = 0.0f;\n    for (int e = 0; e < 32; ++e) s += acc[r][e];\n"
     rows = f"for (int r = 0; r < {R} && r0 + r < {M}; ++r) {{\n"
     return (f"  int r0 = GID(0) * {R}, n = GID(1) * {ROWWISE_COLS} + LID(0);\n  if (n >= {N}) return;\n  {declare}"
-            f"  for (int c = 0; c < {K}; c += 32) {{\n    {load}"
+            f"  for (int c = 0; c < {K}; c += {step}) {{\n    {load}"
             f"    {rows}      int row = r0 + r;\n      {accumulate}    }}\n  }}\n"
             f"  {rows}    int row = r0 + r;\n    {total}    {store};\n  }}\n")
 

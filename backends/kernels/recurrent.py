@@ -36,7 +36,9 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
     """The gated delta rule over T rows from `state`, one kernel either way: the CPU schedule
     where the value dim splits into CPU_COLS-wide column groups, else the GPU one (which is
     also correct on a CPU). The chunked form (chunk_size > 0) is the same recurrence, so it
-    runs these kernels too."""
+    runs these kernels too. When nothing else reads the old state (a decode or verify step),
+    the new state is written over it: each thread reads a state cell before it writes that
+    cell, and a decode then copies no state."""
     q, k, v, g, beta, state = ctx.ins
     o, new_state, *rows = ctx.outs
     t, hk, dk = q.type.shape
@@ -44,27 +46,35 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
     kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
     shape = (dim(t), dim(dk), dim(dv), hk, hv)
     scale = f32(ctx.attr["scale"])
+    in_place = ctx.can_overwrite(state)
+    source = "new_state" if in_place else "state"
     if ctx.profile == "cpu" and isinstance(dv, int) and dv % CPU_COLS == 0:
-        body, groups, local = _cpu_body(*shape, kh, scale, bool(rows)), [str(hv)], (dv // CPU_COLS,)
+        body, groups, local = _cpu_body(*shape, kh, scale, bool(rows), source), [str(hv)], (dv // CPU_COLS,)
     else:
         L = pow2_threads(dv, most=64) if isinstance(dv, int) else 64
-        body, groups, local = _gpu_body(*shape, kh, scale, bool(rows), dk, L), [str(hv), cdiv(dim(dv), L)], (L,)
-    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
-               ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
+        body, groups, local = _gpu_body(*shape, kh, scale, bool(rows), dk, L, source), [str(hv), cdiv(dim(dv), L)], (L,)
+    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False)]
+    if in_place:
+        ctx.alias(new_state, state)
+    else:
+        buffers.append(("state", state, False))
+    buffers += [("o", o, True), ("new_state", new_state, True)]
     ctx.launch("gated_delta_rule", body, buffers=buffers + [("row_states", r, True) for r in rows],
                groups=groups, local=local)
 
 
-def _gpu_body(T: str, DK: str, DV: str, hk: int, hv: int, kh: str, scale: str, rows: bool, dk, L: int) -> str:
+def _gpu_body(T: str, DK: str, DV: str, hk: int, hv: int, kh: str, scale: str, rows: bool, dk, L: int,
+              source: str) -> str:
     """A thread per state column (v head h, value dim col) keeps S[:, col] in registers and
     walks the rows in order, so every reduction over the key dim stays inside the thread;
-    the work-group shares each row's q and k through local memory."""
+    the work-group shares each row's q and k through local memory. `source` holds the old
+    state (new_state itself when updating in place)."""
     cell = f"(I64(h) * {DK} + e) * {DV} + col"
     emit = f"      for (int e = 0; e < {DK}; ++e) row_states[I64(t) * {hv} * {DK} * {DV} + {cell}] = S[e];\n" if rows else ""
     qk_row = f"(I64(t) * {hk} + kh) * {DK}"
     return (f"  int h = GID(0), lid = LID(0), col = GID(1) * {L} + lid, kh = {kh};\n  bool live = col < {DV};\n"
             f"  LOCAL float qs[{dk}];\n  LOCAL float ks[{dk}];\n  float S[{dk}];\n"
-            f"  for (int e = 0; e < {DK}; ++e) S[e] = live ? state[{cell}] : 0.0f;\n"
+            f"  for (int e = 0; e < {DK}; ++e) S[e] = live ? {source}[{cell}] : 0.0f;\n"
             f"  for (int t = 0; t < {T}; ++t) {{\n"
             f"    BARRIER();\n    for (int e = lid; e < {DK}; e += {L}) {{\n"
             f"      qs[e] = q[{qk_row} + e] * {scale};\n      ks[e] = k[{qk_row} + e];\n    }}\n    BARRIER();\n"
@@ -76,12 +86,13 @@ def _gpu_body(T: str, DK: str, DV: str, hk: int, hv: int, kh: str, scale: str, r
             f"  if (live) for (int e = 0; e < {DK}; ++e) new_state[{cell}] = S[e];\n")
 
 
-def _cpu_body(T: str, DK: str, DV: str, hk: int, hv: int, kh: str, scale: str, rows: bool) -> str:
+def _cpu_body(T: str, DK: str, DV: str, hk: int, hv: int, kh: str, scale: str, rows: bool, source: str) -> str:
     """A work-item per (v head, CPU_COLS state columns) streams the state rows twice per
     token, once for k·S and once to write the updated rows (and sum y), with nothing held
     but CPU_COLS-wide sums: the inner loops over contiguous columns become vector loads and
-    FMAs, where a thread holding a whole column does not vectorise. Row 0 reads `state`;
-    later rows read the rows the previous token wrote to new_state."""
+    FMAs, where a thread holding a whole column does not vectorise. Row 0 reads `source`
+    (the old state, or new_state itself in place); later rows read the rows the previous
+    token wrote to new_state."""
     C = CPU_COLS
     cols = f"for (int j = 0; j < {C}; ++j)"
     emit = f" row_states[I64(t) * {hv} * {DK} * {DV} + r + j] = s;" if rows else ""
@@ -100,9 +111,9 @@ def _cpu_body(T: str, DK: str, DV: str, hk: int, hv: int, kh: str, scale: str, r
                 f"new_state[r + j] = s;{emit} }}\n    }}\n"
                 f"    {cols} o[vo + j] = y[j];\n")
 
+    copy = (f"  if ({T} == 0) for (int e = 0; e < {DK}; ++e) {{ i64 r = (I64(h) * {DK} + e) * {DV} + c0; "
+            f"{cols} new_state[r + j] = state[r + j]; }}\n") if source == "state" else ""
     return (f"  int h = GID(0), c0 = LID(0) * {C}, kh = {kh};\n"
-            f"  float sk[{C}], y[{C}], delta[{C}];\n"
-            f"  if ({T} == 0) for (int e = 0; e < {DK}; ++e) {{ i64 r = (I64(h) * {DK} + e) * {DV} + c0; "
-            f"{cols} new_state[r + j] = state[r + j]; }}\n"
-            f"  for (int t = 0; t < min({T}, 1); ++t) {{\n{token('state')}  }}\n"
+            f"  float sk[{C}], y[{C}], delta[{C}];\n{copy}"
+            f"  for (int t = 0; t < min({T}, 1); ++t) {{\n{token(source)}  }}\n"
             f"  for (int t = 1; t < {T}; ++t) {{\n{token('new_state')}  }}\n")

@@ -22,8 +22,5 @@ class TVMCLDevice(CLDevice):
         super().__init__()
         self.kernels = program(source) if source else {}
 
-    def launch(self, kernel: str, groups, local, args) -> None:
-        k = self.kernels[kernel]
-        k.set_args(*args)
-        size = tuple(g * l for g, l in zip(groups, local))
-        self._cl.enqueue_nd_range_kernel(self.queue, k, size, tuple(local))
+    def kernel(self, name: str):
+        return self.kernels[name]

@@ -20,6 +20,7 @@ class HostDevice:
         import tvm_ffi
 
         self._from_dlpack = tvm_ffi.from_dlpack
+        self.memory = "host"  # numpy buffers: any host device's copy reads them
         self.module = tvm.runtime.load_module(str(library))
         self._specs = {name: ([(np.dtype(dtype), compile_expr(size)) for dtype, size in k["params"]], tuple(k["ints"]))
                        for name, k in kernels.items()}

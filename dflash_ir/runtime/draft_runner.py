@@ -9,6 +9,7 @@ from typing import Mapping
 
 import numpy as np
 
+from dflash_ir.backends.runner import DeviceArray
 from dflash_ir.errors import ContextOverflowError
 
 from .state import zero_states
@@ -31,30 +32,38 @@ class DraftRunner:
         self.states = zero_states(self.programs["inject"].graph, self.capacity)
         self.ctx_len = 0
 
-    def inject(self, features: np.ndarray) -> None:
-        """Append the features of the next committed positions (ctx_len, ctx_len+1, ...)."""
+    def inject(self, features) -> None:
+        """Append the features of the next committed positions (ctx_len, ctx_len+1, ...);
+        `features` may be a DeviceArray the target left on the device."""
         S = len(features)
         if self.ctx_len + S > self.n_ctx:
             raise ContextOverflowError(f"draft context overflow: {self.ctx_len} + {S} rows exceed {self.n_ctx}")
         res = self.programs["inject"].run({
-            "features": np.asarray(features, np.float32),
+            "features": features if isinstance(features, DeviceArray) else np.asarray(features, np.float32),
             "positions": np.arange(self.ctx_len, self.ctx_len + S, dtype=np.int32),
             "pos": np.int32(self.ctx_len),
         }, self.states)
         self.states = {**self.states, **res.states}
         self.ctx_len += S
 
-    def propose(self, anchor: int) -> tuple[np.ndarray, dict]:
-        """Greedy proposals for positions ctx_len+1 .. ctx_len+B-1 given the anchor at ctx_len."""
+    def propose(self, anchor: int) -> np.ndarray:
+        """Greedy proposals for positions ctx_len+1 .. ctx_len+B-1 given the anchor at ctx_len
+        (the draft's hidden states and logits stay on the device)."""
+        return self._block(anchor, keep=("hidden", "logits")).outputs["proposals"]
+
+    def block_outputs(self, anchor: int) -> dict[str, np.ndarray]:
+        """Every output of the block pass on the host (proposals, hidden, logits): for checks."""
+        return self._block(anchor).outputs
+
+    def _block(self, anchor: int, keep=()):
         B = self.block_size
         if self.ctx_len + B > self.capacity:
             raise ContextOverflowError(f"draft block at {self.ctx_len} needs {B} rows past the context size {self.n_ctx}")
         tokens = np.full(B, self.mask_token_id, np.int32)
         tokens[0] = anchor
-        res = self.programs["block"].run({
+        return self.programs["block"].run({
             "tokens": tokens,
             "positions": np.arange(self.ctx_len, self.ctx_len + B, dtype=np.int32),
             "pos": np.int32(self.ctx_len),
             "kv_len": np.int32(self.ctx_len + B),
-        }, self.states)
-        return res.outputs["proposals"], res.outputs
+        }, self.states, keep=keep)

@@ -9,20 +9,22 @@ One round (DFLASH.md §3.1, z-lab's reference loop):
      the first sample that differs (or the one after the last proposal) is the bonus token;
   5. roll the target back to the committed rows; keep only the accepted rows' features.
 The first anchor is the token sampled from the prefill logits.
+
+Greedy rounds read only token ids from the device (the draft's proposals, the target's
+argmax per row); logits stay there, and the accepted rows' features go from the target's
+output buffer into the draft's cache on the device. Sampling reads the logits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-import numpy as np
-
 from dflash_ir.errors import ContextOverflowError
 
 from .draft_runner import DraftRunner
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
-from .target_runner import TargetRunner
+from .target_runner import TargetOutput, TargetRunner
 
 
 @dataclass
@@ -115,12 +117,12 @@ class Engine:
         with stats.timed("prefill"):
             out = self.target.prefill(ids)
         with stats.timed("sample"):
-            token = sampler.sample(out.logits[-1])
+            token = _sample(sampler, out, -1)
         emitted = stopper.admit([token])
         yield emitted
         if stopper.done:
             return
-        features = out.features
+        features = out.device_features
 
         while True:
             start = self.target.n_past  # position of the anchor `token`
@@ -131,22 +133,22 @@ class Engine:
             if speculative:
                 with stats.timed("draft"):
                     self.draft.inject(features)
-                    proposals = [int(t) for t in self.draft.propose(token)[0][:min(n_max, room - 1)]]
+                    proposals = [int(t) for t in self.draft.propose(token)[:min(n_max, room - 1)]]
                 with stats.timed("verify"):
                     out = self.target.verify([token, *proposals])
                 with stats.timed("sample"):
-                    accepted, bonus = _sample_and_match(sampler, out.logits, proposals)
+                    accepted, bonus = _sample_and_match(sampler, out, proposals)
                 with stats.timed("rollback"):
                     self.target.commit(accepted + 1)
                 stats.record_round(len(proposals), accepted)
                 self.last_rounds.append({"anchor_pos": start, "anchor": token, "proposals": proposals, "accepted": accepted})
-                features = out.features[:accepted + 1] if out.features is not None else None
+                features = out.device_features[:accepted + 1] if out.device_features is not None else None
                 new = [*proposals[:accepted], bonus]
             else:
                 with stats.timed("decode"):
                     out = self.target.decode(token)
                 with stats.timed("sample"):
-                    new = [sampler.sample(out.logits[-1])]
+                    new = [_sample(sampler, out, -1)]
             token = new[-1]
             emitted = stopper.admit(new)
             if emitted:
@@ -155,13 +157,18 @@ class Engine:
                 return
 
 
-def _sample_and_match(sampler: Sampler, logits: np.ndarray, proposals: Sequence[int]) -> tuple[int, int]:
+def _sample(sampler: Sampler, out: TargetOutput, row: int) -> int:
+    """The target's token for one logits row: the device's argmax when greedy."""
+    return int(out.greedy[row]) if sampler.params.greedy else sampler.sample(out.logits[row])
+
+
+def _sample_and_match(sampler: Sampler, out: TargetOutput, proposals: Sequence[int]) -> tuple[int, int]:
     """Accepted proposal count and the target's own next token (the bonus)."""
     for i, p in enumerate(proposals):
-        t = sampler.sample(logits[i])
+        t = _sample(sampler, out, i)
         if t != p:
             return i, t
-    return len(proposals), sampler.sample(logits[len(proposals)])
+    return len(proposals), _sample(sampler, out, len(proposals))
 
 
 class _Stopper:

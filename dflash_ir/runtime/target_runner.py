@@ -10,7 +10,7 @@ acceptance.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from typing import Mapping
 
 import numpy as np
@@ -19,11 +19,31 @@ from dflash_ir.errors import ContextOverflowError
 
 from .state import zero_states
 
+_ON_DEVICE = ("logits", "features")  # read to the host only when asked for
 
-@dataclass
+
 class TargetOutput:
-    logits: np.ndarray  # [rows asked for, vocab]
-    features: np.ndarray | None  # [T, n_taps * hidden] or None without taps
+    """One target call's results. Logits and tap features stay where the program wrote them
+    (the device, on a device backend) until `logits` / `features` read them: a greedy round
+    needs only the `greedy` ids, and the draft injects `device_features` without a copy
+    through the host. The device arrays are valid until the same program runs again."""
+
+    def __init__(self, logits, greedy: np.ndarray, features=None):
+        self.device_logits = logits        # [rows asked for, vocab]
+        self.greedy = greedy               # [rows asked for] argmax ids
+        self.device_features = features   # [T, n_taps * hidden] or None without taps
+
+    @functools.cached_property
+    def logits(self) -> np.ndarray:
+        return np.asarray(self.device_logits)
+
+    @functools.cached_property
+    def features(self) -> np.ndarray | None:
+        return None if self.device_features is None else np.asarray(self.device_features)
+
+    def to_host(self) -> "TargetOutput":
+        """The same results read to the host, before the program's next call reuses its buffers."""
+        return TargetOutput(self.logits, self.greedy, self.features)
 
 
 class TargetRunner:
@@ -52,8 +72,8 @@ class TargetRunner:
             "kv_len": np.int32(self.n_past + T),
             "logit_rows": np.asarray(logit_rows, np.int32),
         }
-        res = self.programs[kind].run(inputs, self.states)
-        return TargetOutput(res.outputs["logits"], res.outputs.get("features")), res
+        res = self.programs[kind].run(inputs, self.states, keep=_ON_DEVICE)
+        return TargetOutput(res.outputs["logits"], res.outputs["greedy"], res.outputs.get("features")), res
 
     def prefill(self, tokens, *, chunk: int = 512, all_logits: bool = False) -> TargetOutput:
         """Process prompt rows in chunks; returns the last row's logits (every row's with
@@ -65,18 +85,18 @@ class TargetRunner:
             raise ContextOverflowError(
                 f"prompt of {len(tokens)} tokens (+{self.n_past} cached) does not fit the context size {self.n_ctx}; "
                 f"compile with a larger context (dflash-compile -c N) or shorten the prompt")
-        feats, logits = [], []
+        parts = []
         for s in range(0, len(tokens), chunk):
             part = tokens[s:s + chunk]
-            rows = np.arange(len(part)) if all_logits else [len(part) - 1]
-            out, res = self._run("prefill", part, rows)
+            out, res = self._run("prefill", part, np.arange(len(part)) if all_logits else [len(part) - 1])
             self.states = {**self.states, **res.states}
             self.n_past += len(part)
-            logits.append(out.logits)
-            if out.features is not None:
-                feats.append(out.features)
-        return TargetOutput(np.concatenate(logits) if all_logits else logits[-1],
-                            np.concatenate(feats) if feats else None)
+            parts.append(out.to_host() if len(tokens) > chunk else out)  # the next chunk reuses the buffers
+        if len(parts) == 1:
+            return parts[0]
+        return TargetOutput(np.concatenate([p.logits for p in parts]) if all_logits else parts[-1].logits,
+                            np.concatenate([p.greedy for p in parts]) if all_logits else parts[-1].greedy,
+                            None if parts[0].features is None else np.concatenate([p.features for p in parts]))
 
     def decode(self, token: int) -> TargetOutput:
         out, res = self._run("decode", [token], [0])
@@ -96,7 +116,7 @@ class TargetRunner:
         res = self._pending
         if res is None:
             raise RuntimeError("commit() without a preceding verify()")
-        T = len(res.outputs["logits"])
+        T = len(res.outputs["greedy"])
         if not 1 <= n_rows <= T:
             raise ValueError(f"commit of {n_rows} rows, verify had {T}")
         new = dict(self.states)

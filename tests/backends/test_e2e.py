@@ -4,6 +4,7 @@ interpreter's greedy tokens, speculative or not, on generated pairs, and (oracle
 Transformers tokens on the fixture pairs. Backends that cannot run skip with the reason."""
 import json
 
+import numpy as np
 import pytest
 
 from dflash_ir.artifact import compile_pair, load_compiled, open_engine
@@ -38,6 +39,28 @@ def test_speculative_greedy_equals_interpreter(backend, tiny_pair, arch, dtype, 
                                                           ignore_eos=True).tokens
     assert engine.generate(prompt_ids=PROMPT, max_tokens=24, speculative=False, ignore_eos=True).tokens == want
     assert engine.generate(prompt_ids=PROMPT, max_tokens=24, n_max=7, ignore_eos=True).tokens == want
+
+
+def test_greedy_rounds_move_only_token_ids_through_the_host(backend, tiny_pair, tmp_path, monkeypatch):
+    """Once the states live on the device (after the first round), a greedy speculative
+    round uploads int32 ids and positions and downloads int32 ids (proposals, the target's
+    argmax): no logits, no features, no state crosses the host boundary."""
+    engine = _engine(backend, *tiny_pair("qwen35", "f16"), tmp_path / "art")
+    programs = [*engine.target.programs.values(), *engine.draft.programs.values()]
+    crossings = []
+    for device in {id(p.device): p.device for p in programs}.values():
+        for way in ("upload", "download"):
+            def counted(buf, array, inner=getattr(device, way), way=way):
+                crossings.append((way, array.dtype, array.nbytes))
+                inner(buf, array)
+            monkeypatch.setattr(device, way, counted)
+    steps = engine.iter_tokens(prompt_ids=PROMPT, max_tokens=40, n_max=7, ignore_eos=True)
+    next(steps), next(steps)  # prefill, then a round that uploads the draft's zero states
+    crossings.clear()
+    rounds = sum(1 for _ in steps)
+    assert rounds >= 3
+    assert {way for way, _, _ in crossings} == {"upload", "download"}
+    assert {dtype for _, dtype, _ in crossings} == {np.dtype(np.int32)}, crossings
 
 
 def test_programs_of_one_model_share_weight_buffers(backend, tiny_pair, tmp_path):

@@ -59,6 +59,17 @@ def test_cache_write_is_in_place_unless_the_old_cache_is_read():
     assert [l.kernel.split("_")[0] for s in copy.steps for l in s.launches][:2] == ["copy", "kv"]
 
 
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_recurrent_state_is_updated_in_place_unless_it_is_an_output(profile):
+    in_place = lower(case_graph(CASES["gated_delta_rule_in_place_rows"].build()), profile)
+    copy = lower(case_graph(CASES["gated_delta_rule_rows_tiled"].build()), profile)
+    (gdn,) = [l for s in in_place.steps for l in s.launches if l.kernel.startswith("gated_delta_rule")]
+    assert in_place.aliases == {"gated_delta_rule.1": "state"}
+    assert "state" not in gdn.buffers and "gated_delta_rule.1" in gdn.buffers
+    (gdn,) = [l for s in copy.steps for l in s.launches if l.kernel.startswith("gated_delta_rule")]
+    assert not copy.aliases and "state" in gdn.buffers
+
+
 def test_reshape_is_a_view_and_identical_nodes_share_a_kernel():
     b = GraphBuilder("g")
     x = b.input("x", DType.F32, ("T", 12))
@@ -125,7 +136,7 @@ def test_cuda_loads_the_cubin_of_the_device(monkeypatch, tmp_path, capability, c
     from dflash_ir.backends import cupy_device
 
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(
-        compute_capability=capability)), RawModule=lambda path: path)
+        compute_capability=capability, id=0)), RawModule=lambda path: path)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cupy_device, "_module", lambda path: path)
     entry = {"cubin": {a: f"k.{a}.cubin" for a in ("sm_80", "sm_89", "sm_90")}, "ptx": "k.ptx"}

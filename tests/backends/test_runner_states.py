@@ -1,11 +1,14 @@
-"""States stay on the device between calls: the runner hands back DeviceArrays, takes them
-back without a host round trip, and they hold what the interpreter computes."""
+"""States, and the outputs a caller keeps, stay on the device between calls: the runner hands
+back DeviceArrays, takes them back without a host round trip, and they hold what the
+interpreter computes."""
 import numpy as np
 
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.opencl import CLDevice
 from dflash_ir.backends.runner import DeviceArray, DeviceProgram, Resident
 from dflash_ir.benchmark.kernels import gdn_case
+from dflash_ir.builder import GraphBuilder
+from dflash_ir.dtypes import DType
 from dflash_ir.interpreter import Interpreter
 
 
@@ -14,6 +17,7 @@ class CountingDevice:
 
     def __init__(self):
         self.inner = CLDevice()
+        self.memory = self.inner.memory
         self.uploaded = self.downloaded = 0
 
     def alloc(self, nbytes):
@@ -76,3 +80,26 @@ def test_row_states_stay_on_the_device_and_index_to_rows(opencl, tmp_path):
     again = program.run(case.inputs, {state_name: rows[2]})
     reference = program.run(case.inputs, {state_name: host[2]})
     assert np.array_equal(np.asarray(again.states[state_name]), np.asarray(reference.states[state_name]))
+
+
+def test_kept_outputs_stay_on_the_device_and_feed_another_program(opencl, tmp_path):
+    """An output named in `keep` comes back as a DeviceArray; a slice of its rows goes into a
+    program on another device object with the same memory (the draft taking the target's
+    features) without crossing the host."""
+    case, graph, program, _ = _gdn(opencl, tmp_path)
+    (name, value), = [(n, v) for n, v in graph.outputs if graph.values()[v].type.rank == 3]
+    res = program.run(case.inputs, case.states, keep=[name])
+    kept = res.outputs[name]
+    assert isinstance(kept, DeviceArray)
+    host = np.asarray(kept)
+    assert np.array_equal(np.asarray(kept[1:4]), host[1:4]) and kept[1:4].shape == host[1:4].shape
+
+    b = GraphBuilder("consumer")
+    b.output("y", b.neg(b.input("x", DType.F32, ("S", *host.shape[1:]))))
+    consumer = b.build()
+    opencl.compile(consumer, tmp_path)
+    device = CountingDevice()
+    other = DeviceProgram(consumer, lower(consumer, opencl.profile()), device, lambda w: None, Resident())
+    y = other.run({"x": kept[1:4]}).outputs["y"]
+    assert device.uploaded == 0
+    assert np.array_equal(y, -host[1:4])

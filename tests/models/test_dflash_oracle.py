@@ -31,7 +31,8 @@ def test_first_block_matches_zlab_forward(engine, oracle_prompts, oracle_dir, ki
         assert list(z[f"{name}_block_positions"]) == list(range(len(oracle_prompts[name]), len(oracle_prompts[name]) + 16))
         draft.reset()
         draft.inject(z[f"{name}_ctx_features"])
-        proposals, out = draft.propose(int(block[0]))
+        out = draft.block_outputs(int(block[0]))
+        proposals = out["proposals"]
         assert np.abs(out["hidden"] - z[f"{name}_draft_hidden"]).max() <= TOL, name
         logits = out["logits"]
         top = np.take_along_axis(logits, z[f"{name}_draft_top_ids"].astype(np.int64), axis=1)

@@ -6,6 +6,7 @@ from dflash_ir.artifact import open_engine
 from dflash_ir.errors import ContextOverflowError
 from dflash_ir.runtime.engine import _sample_and_match
 from dflash_ir.runtime.sampling import Sampler, SamplingParams
+from dflash_ir.runtime.target_runner import TargetOutput
 
 ARCHS = ["qwen35", "qwen35moe"]
 PROMPT = [5, 77, 123, 9, 250, 31, 8]
@@ -63,16 +64,33 @@ def test_sample_and_match_keeps_the_target_distribution():
     proposals = [int(np.argmax(logits[0])), int(np.argmax(logits[1]))]
     params = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     p = [Sampler(SamplingParams(**params)).probs(row) for row in logits]
+    out = TargetOutput(logits, logits.argmax(-1))
     counts = {}
     n = 20000
     for seed in range(n):
-        a, bonus = _sample_and_match(Sampler(SamplingParams(**params, seed=seed)), logits, proposals)
+        a, bonus = _sample_and_match(Sampler(SamplingParams(**params, seed=seed)), out, proposals)
         key = (*proposals[:a], bonus)
         counts[key] = counts.get(key, 0) + 1
     for key, c in counts.items():  # probability of emitting exactly this prefix under the target alone
         prob = np.prod([p[i][t] for i, t in enumerate(key)])
         assert abs(c / n - prob) <= 4 * np.sqrt(prob * (1 - prob) / n) + 1e-3, (key, c / n, prob)
     assert abs(sum(counts.values()) - n) == 0
+
+
+class _Unread:
+    """Logits that fail the test when read to the host."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise AssertionError("a greedy round read the logits")
+
+
+def test_greedy_match_reads_the_argmax_ids_not_the_logits():
+    greedy = np.array([4, 9, 2, 7], np.int32)
+    out = TargetOutput(_Unread(), greedy)
+    sampler = Sampler(SamplingParams())
+    assert _sample_and_match(sampler, out, [4, 9, 2]) == (3, 7)
+    assert _sample_and_match(sampler, out, [4, 1, 2]) == (1, 9)
+    assert _sample_and_match(sampler, out, [5]) == (0, 4)
 
 
 def test_sampling_filters():

@@ -40,7 +40,8 @@ def test_exported_draft_first_block_matches_torch(tmp_path, tiny_hp, random_targ
     np.testing.assert_allclose(out.features, feats.numpy(), atol=1e-3, rtol=0)
     engine.draft.inject(out.features)
     anchor = int(out.logits[-1].argmax())
-    proposals, res = engine.draft.propose(anchor)
+    res = engine.draft.block_outputs(anchor)
+    proposals = res["proposals"]
     hidden, logits = draft.first_block(torch.as_tensor(out.features), anchor)  # the same features on both sides
     np.testing.assert_allclose(res["hidden"], hidden.numpy(), atol=1e-3, rtol=0)
     np.testing.assert_allclose(res["logits"], logits.numpy(), atol=1e-3, rtol=0)

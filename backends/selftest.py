@@ -203,6 +203,16 @@ for _t, _emit, _dt in ((1, False, F32), (5, True, F16)):
                                                                c.s("state", (3, 37)), emit_row_states=emit)))
 
 
+def _conv_in_place(c: CaseBuilder) -> None:
+    state = c.s("state", (3, 37))
+    y, new = c.b.causal_conv1d(c.x("x", (1, 37)), c.w("w", (37, 4)), state)
+    c.b.update_state(state, new)
+    c.out(y)
+
+
+case("causal_conv1d_T1_in_place")(_conv_in_place)
+
+
 def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, emit: bool, update: bool = False):
     """update: the new state is the state's update (written in place) rather than an output."""
     def make(c: CaseBuilder) -> None:

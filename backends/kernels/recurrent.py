@@ -9,13 +9,17 @@ from .common import FLAT, cdiv, dim, f32, pow2_threads, weight_at
 @lowers("causal_conv1d")
 def causal_conv1d(ctx: NodeCtx) -> None:
     """A thread per (row t, channel c) over xx = concat(state, x); the thread of the last row
-    also writes the new state (= the window after that row)."""
+    also writes the new state (= the window after that row). A single row (decode) whose old
+    state nothing else reads shifts the window in place: each thread reads its channel's
+    state cells before it overwrites them."""
     x, w, state = ctx.ins
     y, new_state, *rows = ctx.outs
     t, c = x.type.shape
     width = w.type.shape[1]
     T, C, K1 = dim(t), dim(c), width - 1
-    at = f"(r < {K1} ? state[r * {C} + ch] : x[I64(r - {K1}) * {C} + ch])"
+    in_place = t == 1 and ctx.can_overwrite(state)
+    source = "new_state" if in_place else "state"
+    at = f"(r < {K1} ? {source}[r * {C} + ch] : x[I64(r - {K1}) * {C} + ch])"
     emit = f"      row_states[(I64(row) * {K1} + e) * {C} + ch] = v;\n" if rows else ""
     body = (f"  int i = GID(0) * {FLAT} + LID(0);\n  if (i >= {T} * {C}) return;\n"
             f"  int row = i / {C}, ch = i % {C};\n  float acc = 0.0f;\n"
@@ -23,7 +27,12 @@ def causal_conv1d(ctx: NodeCtx) -> None:
             f"    acc += {at} * {weight_at(w.type.dtype, 'w', 'ch', 'j', width)};\n  }}\n  y[i] = acc;\n"
             f"  for (int e = 0; e < {K1}; ++e) {{\n    int r = row + 1 + e;\n    float v = {at};\n{emit}"
             f"    if (row == {T} - 1) new_state[e * {C} + ch] = v;\n  }}\n")
-    buffers = [("x", x, False), ("w", w, False), ("state", state, False), ("y", y, True), ("new_state", new_state, True)]
+    buffers = [("x", x, False), ("w", w, False)]
+    if in_place:
+        ctx.alias(new_state, state)
+    else:
+        buffers.append(("state", state, False))
+    buffers += [("y", y, True), ("new_state", new_state, True)]
     ctx.launch("causal_conv1d", body, buffers=buffers + [("row_states", r, True) for r in rows],
                groups=[cdiv(f"{T} * {C}", FLAT)])
 

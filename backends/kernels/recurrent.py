@@ -2,8 +2,20 @@
 optional per-row states (what a speculative verify rolls back to)."""
 from __future__ import annotations
 
+from dflash_ir.ir import Value
+
 from ..lowering import NodeCtx, lowers
 from .common import FLAT, cdiv, dim, f32, pow2_threads, weight_at
+
+
+def _old_state(ctx: NodeCtx, state: Value, new_state: Value, allowed: bool = True) -> tuple[str, list]:
+    """(the kernel's name for the old state, its buffer entries). Where allowed and nothing
+    else reads the old state, the new state is written over it: the kernel then reads the
+    old values through `new_state` and takes no `state` buffer."""
+    if allowed and ctx.can_overwrite(state):
+        ctx.alias(new_state, state)
+        return "new_state", []
+    return "state", [("state", state, False)]
 
 
 @lowers("causal_conv1d")
@@ -17,8 +29,7 @@ def causal_conv1d(ctx: NodeCtx) -> None:
     t, c = x.type.shape
     width = w.type.shape[1]
     T, C, K1 = dim(t), dim(c), width - 1
-    in_place = t == 1 and ctx.can_overwrite(state)
-    source = "new_state" if in_place else "state"
+    source, state_buffers = _old_state(ctx, state, new_state, allowed=t == 1)
     at = f"(r < {K1} ? {source}[r * {C} + ch] : x[I64(r - {K1}) * {C} + ch])"
     emit = f"      row_states[(I64(row) * {K1} + e) * {C} + ch] = v;\n" if rows else ""
     body = (f"  int i = GID(0) * {FLAT} + LID(0);\n  if (i >= {T} * {C}) return;\n"
@@ -27,12 +38,7 @@ def causal_conv1d(ctx: NodeCtx) -> None:
             f"    acc += {at} * {weight_at(w.type.dtype, 'w', 'ch', 'j', width)};\n  }}\n  y[i] = acc;\n"
             f"  for (int e = 0; e < {K1}; ++e) {{\n    int r = row + 1 + e;\n    float v = {at};\n{emit}"
             f"    if (row == {T} - 1) new_state[e * {C} + ch] = v;\n  }}\n")
-    buffers = [("x", x, False), ("w", w, False)]
-    if in_place:
-        ctx.alias(new_state, state)
-    else:
-        buffers.append(("state", state, False))
-    buffers += [("y", y, True), ("new_state", new_state, True)]
+    buffers = [("x", x, False), ("w", w, False), *state_buffers, ("y", y, True), ("new_state", new_state, True)]
     ctx.launch("causal_conv1d", body, buffers=buffers + [("row_states", r, True) for r in rows],
                groups=[cdiv(f"{T} * {C}", FLAT)])
 
@@ -55,19 +61,14 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
     kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
     shape = (dim(t), dim(dk), dim(dv), hk, hv)
     scale = f32(ctx.attr["scale"])
-    in_place = ctx.can_overwrite(state)
-    source = "new_state" if in_place else "state"
+    source, state_buffers = _old_state(ctx, state, new_state)
     if ctx.profile == "cpu" and isinstance(dv, int) and dv % CPU_COLS == 0:
         body, groups, local = _cpu_body(*shape, kh, scale, bool(rows), source), [str(hv)], (dv // CPU_COLS,)
     else:
         L = pow2_threads(dv, most=64) if isinstance(dv, int) else 64
         body, groups, local = _gpu_body(*shape, kh, scale, bool(rows), dk, L, source), [str(hv), cdiv(dim(dv), L)], (L,)
-    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False)]
-    if in_place:
-        ctx.alias(new_state, state)
-    else:
-        buffers.append(("state", state, False))
-    buffers += [("o", o, True), ("new_state", new_state, True)]
+    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
+               *state_buffers, ("o", o, True), ("new_state", new_state, True)]
     ctx.launch("gated_delta_rule", body, buffers=buffers + [("row_states", r, True) for r in rows],
                groups=groups, local=local)
 

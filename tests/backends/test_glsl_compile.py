@@ -35,8 +35,7 @@ OP_TYPE_POINTER, OP_VARIABLE, OP_DECORATE, OP_MEMBER_DECORATE = 32, 59, 71, 72
 LOCAL_SIZE, NON_WRITABLE, BINDING, DESCRIPTOR_SET, OFFSET = 17, 24, 33, 34, 35
 WORKGROUP, PUSH_CONSTANT, STORAGE_BUFFER = 4, 9, 12
 GL_COMPUTE = 5
-# capability -> the Vulkan device feature that allows it (None: every Vulkan device)
-# SPIR-V capability -> the device feature or compute-stage subgroup operation it needs
+# SPIR-V capability -> the device feature or compute-stage subgroup operation it needs (None: every device)
 CAPABILITY_FEATURE = {1: None, 11: "shaderInt64", 22: "shaderInt16", 39: "shaderInt8",
                       4433: "storageBuffer16BitAccess", 4448: "storageBuffer8BitAccess",
                       61: "VK_SUBGROUP_FEATURE_BASIC_BIT", 63: "VK_SUBGROUP_FEATURE_ARITHMETIC_BIT"}

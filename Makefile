@@ -17,7 +17,7 @@ demo: setup
 
 # The backend comparison (see README): tables on screen, results.json / .md / PNGs in bench-results/.
 bench: setup
-	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -c "import llama_cpp" 2>/dev/null || eval "$$($(PY) -m dflash_ir.benchmark.peer --build-command)"
 	dflash-bench -o bench-results
 
 # The same measurements as pytest-benchmark cases (its statistics, --benchmark-json ...).

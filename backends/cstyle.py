@@ -23,12 +23,18 @@ macros. A `Dialect` subclass supplies the vocabulary's meaning as class-attribut
     ROUND_HALF(v)           v rounded to f16 (nearest even), as f32
     DOT4_I8(a, b, acc)      acc + dot of the four signed bytes of ints a and b
     BF16_AT(b, i) Q8_0_AT(b, row, i)   weight reads, defined once from the above (DERIVED)
-    ACC8_ZERO(a, n)         declare a[0..n): n zeroed accumulators of eight f32 sums each
-    ACC8_SUM(a)             the total of one accumulator's eight sums
-    Q8_0_DEQUANT32(v, b, o) declare v: the 32 values d * q of the Q8_0 block at byte o of b
-    DOT32_ACC8(a, v, x, xc) accumulator a += v[e] * x[xc + e], term e into sum e % 8
-                            (these four are DERIVED as loops; OpenCL uses its vector types,
-                            which PoCL turns into wide loads and FMAs)
+    ACC16_ZERO(a, n)        declare a[0..n): n zeroed accumulators of sixteen f32 sums each
+    ACC16_SUM(a)            the total of one accumulator's sixteen sums
+    Q8_0_LOAD32(v, d, b, o) declare v: the 32 quants of the Q8_0 block at byte o of b as f32,
+                            and d: its scale
+    DOT32_ACC16(a, v, d, x, xc)  accumulator a += d * (v[e] * x[xc + e] + v[e + 16] * x[xc + e + 16])
+                            into sum e: the scale multiplies a block's partial sums, not
+                            each weight
+    Q8S_LOAD32(v, b, o)     declare v: the 32 int8 quants at byte o of b (the split Q8_0
+                            layout, quants apart from scales) as f32
+    HALF16_AT_BYTE(d, b, o) declare d[16]: the 16 f16 values at even byte o of b as f32
+                            (these six are DERIVED as loops; OpenCL uses its vector types,
+                            which PoCL turns into wide loads, conversions and FMAs)
     WG_SUM(buf, n) WG_MAX(buf, n)   reduce LOCAL buf[n] (n a power of two, the work-group
                             size, indexed by `lid`) into buf[0], then a barrier: a barrier
                             tree (DERIVED); GLSL with subgroup arithmetic reduces each
@@ -62,11 +68,15 @@ DERIVED = {
     "BF16_AT(b, i)": "BITS_TO_FLOAT(U32(LD_U16(b, i)) << 16)",
     "Q8_0_AT(b, row, i)": "(HALF_AT_BYTE(b, (row) + ((i) >> 5) * 34) * "
                           "F32(LD_I8(b, (row) + ((i) >> 5) * 34 + 2 + ((i) & 31))))",
-    "ACC8_ZERO(a, n)": "float a[n][8]; for (int q8e = 0; q8e < (n) * 8; ++q8e) a[q8e / 8][q8e % 8] = 0.0f",
-    "ACC8_SUM(a)": "(((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])))",
-    "Q8_0_DEQUANT32(v, b, o)": "float v[32]; { float q8d = HALF_AT_BYTE(b, o); "
-                               "for (int q8e = 0; q8e < 32; ++q8e) v[q8e] = q8d * F32(LD_I8(b, (o) + 2 + q8e)); }",
-    "DOT32_ACC8(a, v, x, xc)": "for (int q8e = 0; q8e < 32; ++q8e) a[q8e & 7] += v[q8e] * x[U32((xc) + q8e)]",
+    "ACC16_ZERO(a, n)": "float a[n][16]; for (int q8e = 0; q8e < (n) * 16; ++q8e) a[q8e / 16][q8e % 16] = 0.0f",
+    "ACC16_SUM(a)": "((((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) + "
+                    "(((a[8] + a[9]) + (a[10] + a[11])) + ((a[12] + a[13]) + (a[14] + a[15]))))",
+    "Q8_0_LOAD32(v, d, b, o)": "float v[32]; float d = HALF_AT_BYTE(b, o); "
+                               "for (int q8e = 0; q8e < 32; ++q8e) v[q8e] = F32(LD_I8(b, (o) + 2 + q8e))",
+    "Q8S_LOAD32(v, b, o)": "float v[32]; for (int q8e = 0; q8e < 32; ++q8e) v[q8e] = F32(LD_I8(b, (o) + q8e))",
+    "HALF16_AT_BYTE(d, b, o)": "float d[16]; for (int q8e = 0; q8e < 16; ++q8e) d[q8e] = HALF_AT_BYTE(b, (o) + 2 * q8e)",
+    "DOT32_ACC16(a, v, d, x, xc)": "for (int q8e = 0; q8e < 16; ++q8e) "
+                                   "a[q8e] += (d) * (v[q8e] * x[U32((xc) + q8e)] + v[q8e + 16] * x[U32((xc) + q8e + 16)])",
     "WG_SUM(buf, n)": "WG_TREE(buf, n, buf[lid] + buf[lid + s])",
     "WG_MAX(buf, n)": "WG_TREE(buf, n, fmaxf(buf[lid], buf[lid + s]))",
     "WG_TREE(buf, n, e)": "BARRIER(); for (int s = (n) / 2; s > 0; s >>= 1) { if (lid < s) buf[lid] = e; BARRIER(); }",
@@ -170,13 +180,16 @@ class OpenCLDialect(Dialect):
         "BITS_TO_FLOAT(u)": "as_float(u)",
         "ROUND_HALF(v)": "round_half_portable(v)",
         "DOT4_I8(a, b, acc)": "((acc) + dot4_i8_portable((a), (b)))",
-        "ACC8_ZERO(a, n)": "float8 a[n]; for (int q8e = 0; q8e < (n); ++q8e) a[q8e] = (float8)(0.0f)",
-        "ACC8_SUM(a)": "(((a).s0 + (a).s1) + ((a).s2 + (a).s3)) + (((a).s4 + (a).s5) + ((a).s6 + (a).s7))",
-        "Q8_0_DEQUANT32(v, b, o)": "float16 v[2]; { float q8d = HALF_AT_BYTE(b, o); "
-                                   "v[0] = q8d * convert_float16(as_char16(vload16(0, (b) + (o) + 2))); "
-                                   "v[1] = q8d * convert_float16(as_char16(vload16(0, (b) + (o) + 18))); }",
-        "DOT32_ACC8(a, v, x, xc)": "{ float16 q8p = (v)[0] * vload16(0, (x) + (xc)) + (v)[1] * vload16(0, (x) + (xc) + 16); "
-                                   "a += q8p.lo + q8p.hi; }",
+        "ACC16_ZERO(a, n)": "float16 a[n]; for (int q8e = 0; q8e < (n); ++q8e) a[q8e] = (float16)(0.0f)",
+        "ACC16_SUM(a)": "sum16_portable(a)",
+        "Q8_0_LOAD32(v, d, b, o)": "float16 v[2]; float d = HALF_AT_BYTE(b, o); "
+                                   "v[0] = convert_float16(as_char16(vload16(0, (b) + (o) + 2))); "
+                                   "v[1] = convert_float16(as_char16(vload16(0, (b) + (o) + 18)))",
+        "Q8S_LOAD32(v, b, o)": "float16 v[2]; v[0] = convert_float16(as_char16(vload16(0, (b) + (o)))); "
+                               "v[1] = convert_float16(as_char16(vload16(0, (b) + (o) + 16)))",
+        "HALF16_AT_BYTE(d, b, o)": "float d[16]; vstore16(half16_portable(vload16(0, (GLOBAL const ushort*)((b) + (o)))), 0, d)",
+        "DOT32_ACC16(a, v, d, x, xc)": "a = fma((float16)(d), (v)[0] * vload16(0, (x) + (xc)) + "
+                                       "(v)[1] * vload16(0, (x) + (xc) + 16), a)",
         **{f"{f}f": f for f in _C99_FLOAT_MATH},
     }
 
@@ -186,6 +199,15 @@ class OpenCLDialect(Dialect):
             "static inline int dot4_i8_portable(int a, int b) {\n"
             "  return (int)(char)a * (int)(char)b + (int)(char)(a >> 8) * (int)(char)(b >> 8)\n"
             "       + (int)(char)(a >> 16) * (int)(char)(b >> 16) + (a >> 24) * (b >> 24);\n}\n"
+            # f16 -> f32 of 16 values at once, exactly (vload_half is one value at a time in PoCL)
+            "static inline float16 half16_portable(ushort16 h) {\n"
+            "  uint16 u = convert_uint16(h), e = u & 0x7c00u, m = u & 0x3ffu, s = (u & 0x8000u) << 16;\n"
+            "  uint16 normal = s | (((u & 0x7fffu) + 0x1c000u) << 13);\n"
+            "  uint16 small = s | as_uint16(convert_float16(m) * 0x1p-24f);\n"
+            "  uint16 special = s | 0x7f800000u | (m << 13);\n"
+            "  return as_float16(select(select(normal, small, e == 0u), special, e == 0x7c00u));\n}\n"
+            "static inline float sum16_portable(float16 a) {\n"
+            "  float8 h = a.lo + a.hi;\n  float4 q = h.lo + h.hi;\n  float2 p = q.lo + q.hi;\n  return p.x + p.y;\n}\n"
             "static inline float round_half_portable(float v) {\n"
             "  ushort h;\n  vstore_half_rte(v, 0, (__private half*)&h);\n  return vload_half(0, (__private const half*)&h);\n}\n")
 

@@ -14,7 +14,10 @@ become int parameters automatically. Besides kernels, lowering decides
 A plan is lowered for a device class, `profile`: "gpu" (thousands of threads, coalesced
 loads, work-group reductions) or "cpu" (OpenCL on PoCL, Vulkan on lavapipe: a few cores
 that vectorise one work-item's loop). Builders whose best schedule differs read
-`ctx.profile`; the kernels of either profile are correct on any device.
+`ctx.profile`; the kernels of either profile are correct on any device. `row_streams` is
+how many weight rows a CPU-profile work-item streams at once in a single-row Q8_0 product
+(kernels/linalg.py): 4 for PoCL, 1 for lavapipe, whose shader compiler takes seconds per
+kernel on the unrolled four-stream loops.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ class NodeCtxBase:
         self.node = node
         self.attr = node.attr
         self.profile = lowering.profile
+        self.row_streams = lowering.row_streams
         self.ins: list[Value] = [lowering.values[x] for x in node.inputs]
         self.outs: list[Value] = list(node.outputs)
         self.launches: list[Launch] = []
@@ -101,6 +105,23 @@ class NodeCtxBase:
     def can_overwrite(self, v: Value) -> bool:
         """True when no later node, output or state reads `v`'s buffer, and it is not a weight."""
         return self._l.dead_after(v.name, self.index)
+
+    def packed(self, weights: Sequence[Value], layout: str) -> Value:
+        """The weights' rows one after another (weights, or views of them, of one dtype and
+        row length) as the runner stores them in `layout` (plan.LAYOUTS), packed once at
+        load: a matmul_group's operand, or one weight in another layout."""
+        roots = tuple(self._l.root(w.name) for w in weights)
+        for w, root in zip(weights, roots):
+            if root not in self._l.weight_names:
+                raise LoweringError(f"{self._l.graph.name}: {self.node.op} reads {w.name} in layout {layout}, "
+                                    f"but only a graph weight can be packed")
+        name = f"{'+'.join(roots)}@{layout}"
+        self._l.plan.packs[name] = (roots, layout)
+        if name not in self._l.values:
+            types = [self._l.values[r].type for r in roots]
+            rows = sum(t.shape[0] for t in types)
+            self._l.values[name] = Value(name, TensorType(types[0].dtype, (rows, *types[0].shape[1:])))
+        return self._l.values[name]
 
     def is_input(self, v: Value) -> bool:
         return v.name in self._l.input_names
@@ -164,17 +185,19 @@ class Lowering:
     """One graph lowered node by node with the builders of `ctx_class`; the kernels they make
     are collected in plan.kernels (compile time only)."""
 
-    def __init__(self, graph: Graph, profile: str, ctx_class: type[NodeCtxBase]):
+    def __init__(self, graph: Graph, profile: str, ctx_class: type[NodeCtxBase], row_streams: int = 4):
         if profile not in PROFILES:
             raise ValueError(f"unknown device profile {profile!r}; known: {', '.join(PROFILES)}")
         self.graph = graph
         self.profile = profile
+        self.row_streams = row_streams
         self.ctx_class = ctx_class
         self.values = graph.values()
         self.plan = Plan(graph.name)
         self.symbol_params = sorted(symbol_param(s) for s in graph.symbols)
         self.input_names = {v.name for v in graph.inputs} | {s.value.name for s in graph.states}
-        self.constant = {w.value.name for w in graph.weights}
+        self.weight_names = {w.value.name for w in graph.weights}
+        self.constant = set(self.weight_names)
         # a state without an update must stay as it is: nothing may write into its buffer
         kept = ({v for _, v in graph.outputs} | {s.update for s in graph.states if s.update}
                 | {s.value.name for s in graph.states if s.update is None})
@@ -210,7 +233,7 @@ class Lowering:
         return self.plan
 
 
-def lower(graph: Graph, profile: str = "gpu") -> Plan:
+def lower(graph: Graph, profile: str = "gpu", row_streams: int = 4) -> Plan:
     """The launch plan of `graph` for a device class (raises LoweringError naming the first
     node without a kernel)."""
-    return Lowering(graph, profile, NodeCtx).run()
+    return Lowering(graph, profile, NodeCtx, row_streams).run()

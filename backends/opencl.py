@@ -9,10 +9,16 @@ model share most files. A process builds each kernel once: kernels not built yet
 together as one OpenCL program when compiling (which validates them) or on the first
 launch after a load (PoCL compiles a kernel again for every program holding it), and
 PoCL's disk cache (~/.cache/pocl, or $POCL_CACHE_DIR) lets the next process skip the compile.
+
+PoCL's worker threads are pinned to cores (POCL_AFFINITY=1, unless the environment says
+otherwise): unpinned, the kernel scheduler moves them, and a kernel of a millisecond takes
+twice as long or more (a 6144x1024 Q8_0 GEMV on 2 cores: 0.87 ms median unpinned, 0.36 ms
+pinned). Other OpenCL drivers ignore the variable.
 """
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -30,6 +36,7 @@ from .plan import Plan
 _INSTALL = "install an OpenCL driver, e.g. the Debian package pocl-opencl-icd (PoCL runs kernels on the CPU)"
 # the reference divides and takes square roots correctly rounded; OpenCL may not by default
 BUILD_OPTIONS = ["-cl-fp32-correctly-rounded-divide-sqrt"]
+os.environ.setdefault("POCL_AFFINITY", "1")  # read when PoCL starts, i.e. before any platform query
 
 
 @functools.cache
@@ -168,9 +175,10 @@ class OpenCLBackend(CompiledBackend):
         folder.mkdir(parents=True, exist_ok=True)
         files = {"header.cl": dialect.module_header(), **{f"{name}.cl": dialect.kernel_source(k)
                                                    for name, k in plan.kernels.items()}}
-        for name, text in files.items():
-            if not (folder / name).exists():
-                (folder / name).write_text(text)
+        for name, text in files.items():  # kernel files are named by content; the header is not
+            path = folder / name
+            if not path.exists() or (name == "header.cl" and path.read_text() != text):
+                path.write_text(text)
         if self.unavailable_reason() is None:
             _LIBRARY.add(dialect.module_header(), {n: dialect.kernel_source(k) for n, k in plan.kernels.items()})
             _LIBRARY.build_pending()

@@ -5,7 +5,10 @@ their buffer bindings (value names), int arguments and grid sizes, plus value al
 (views that share a buffer) and host-side checks of inputs. Sizes are expressions over the
 graph's symbols (named `n_<symbol>` as in the kernels), e.g. "cdiv(n_T*64, 256)", so one
 plan serves every call. A launch may carry a `when` condition: variants of a node (GEMV
-for few rows, tiled GEMM for many) are chosen per call from the bound sizes.
+for few rows, tiled GEMM for many) are chosen per call from the bound sizes. `packs` are
+weights a kernel reads otherwise than as the GGUF stores them (LAYOUTS), alone or several
+with their rows one after another (a matmul group's): the runner packs them once, at
+load, and the packed copy is what the launches bind.
 """
 from __future__ import annotations
 
@@ -14,7 +17,14 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
+from dflash_ir.quant import pack_q8_0_split
+
 from .cstyle import Kernel
+
+# weight layouts a kernel may ask for: name -> storage bytes in that layout
+LAYOUTS = {"q8_0_split": pack_q8_0_split, "as_stored": np.ascontiguousarray}
 
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "min": min, "max": max}
 _NODES = (ast.Expression, ast.BinOp, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Call, ast.Name, ast.Load,
@@ -80,6 +90,7 @@ class Plan:
     aliases: dict[str, str] = field(default_factory=dict)   # value -> value whose buffer it shares
     temps: dict[str, str] = field(default_factory=dict)     # temporary value -> its type ("f32[T,64]")
     checks: list[Check] = field(default_factory=list)
+    packs: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)  # value -> (weights, layout)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON/YAML-able manifest form, defaults left out: kernels appear by name (their sources
@@ -93,7 +104,8 @@ class Plan:
                     **({"constant": True} if s.constant else {}), **({"temps": list(s.temps)} if s.temps else {})}
 
         return {"graph": self.graph, "steps": [step(s) for s in self.steps if s.launches],
-                "aliases": dict(self.aliases), "temps": dict(self.temps), "checks": [asdict(c) for c in self.checks]}
+                "aliases": dict(self.aliases), "temps": dict(self.temps), "checks": [asdict(c) for c in self.checks],
+                **({"packs": {k: [list(w), layout] for k, (w, layout) in self.packs.items()}} if self.packs else {})}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "Plan":
@@ -102,7 +114,8 @@ class Plan:
                                        for l in s["launches"]), s.get("constant", False), tuple(s.get("temps", ())))
                  for s in d["steps"]]
         checks = [Check(c["kind"], c["value"], c["size"], c["rows"], tuple(c["flags"])) for c in d["checks"]]
-        return Plan(d["graph"], {}, steps, dict(d["aliases"]), dict(d["temps"]), checks)
+        packs = {k: (tuple(w), layout) for k, (w, layout) in d.get("packs", {}).items()}
+        return Plan(d["graph"], {}, steps, dict(d["aliases"]), dict(d["temps"]), checks, packs)
 
     def kernel_names(self) -> list[str]:
         """Every kernel the plan launches, in first-launch order."""

@@ -10,7 +10,8 @@ runtime indexes and passes back in, so a decode or verify round moves no state t
 host; `np.asarray` reads one when asked. Outputs the caller names in `keep` stay on the
 device the same way (a verify's logits and tap features: a greedy round reads neither), and
 any program whose device shares the memory (`Device.memory`) takes them as inputs.
-Weights are uploaded once, and steps that depend on weights only (e.g. dequantising a
+Weights are uploaded once (in the layout the kernels read: a packed copy where the plan
+asks for one, `plan.packs`), and steps that depend on weights only (e.g. dequantising a
 weight) run once at load; both are shared by every program of one load through `Resident`.
 Activation buffers are planned per set of symbol values by liveness (a buffer is reused
 once its last reader has run) and kept for the next call with the same sizes, together with
@@ -29,9 +30,9 @@ import numpy as np
 from dflash_ir.errors import ContextOverflowError
 from dflash_ir.interpreter import BindError, RunResult, WeightLoader, storage_shape
 from dflash_ir.ir import Graph, Value
-from dflash_ir.types import parse_type
+from dflash_ir.types import TensorType, parse_type
 
-from .plan import Check, Plan, compile_expr, symbol_param
+from .plan import LAYOUTS, Check, Plan, compile_expr, symbol_param
 
 _PLANS_KEPT = 4  # buffer sets kept for distinct symbol values (prefill chunk sizes, T=1, T=16 ...)
 
@@ -108,11 +109,17 @@ class DeviceProgram:
         self.plan = plan
         self.device = device
         self.values = {**graph.values(), **{n: Value(n, parse_type(t)) for n, t in plan.temps.items()}}
+        self.values.update({name: _packed_value(name, [self.values[w] for w in ws]) for name, (ws, _) in plan.packs.items()})
         self._exprs: dict[str, Callable] = {}
         self._memory: OrderedDict[tuple, _Sized] = OrderedDict()
         self._root = lambda name: plan.aliases.get(name, name)
         self._keys = self._constant_keys(weights)
-        self._resident = {w.value.name: self._weight(w, weights, resident) for w in graph.weights}
+        bound = {self._root(b) for step in plan.steps for launch in step.launches for b in launch.buffers}
+        by_name = {w.value.name: w for w in graph.weights}
+        self._resident = {w.value.name: self._weight(w, weights, resident) for w in graph.weights
+                          if w.value.name in bound}  # a weight only read packed is not uploaded as it is
+        self._resident.update({name: self._packed(tuple(by_name[w] for w in ws), weights, resident, layout)
+                               for name, (ws, layout) in plan.packs.items()})
         self._run_constant_steps(resident)
         # outputs, state updates, and the states' own buffers (which a caller's DeviceArray may
         # point into until the next call has copied it in) are never reused within a call
@@ -139,17 +146,32 @@ class DeviceProgram:
         return keys
 
     def _weight(self, w, weights: WeightLoader, resident: Resident):
+        """The device buffer of weight `w`, as the GGUF stores it."""
         key = self._keys[w.value.name]
         if key not in resident.buffers:
-            arr = np.ascontiguousarray(weights(w))
-            expected = storage_shape(w.value, {})
-            if tuple(arr.shape) != expected or arr.dtype != w.value.type.dtype.numpy():
-                raise BindError(f"{self.graph.name}: weight {w.source}:{w.tensor} loaded as {arr.dtype}{list(arr.shape)}, "
-                                f"graph declares {w.value.type} (storage {w.value.type.dtype.numpy()}{list(expected)})")
-            buf = self.device.alloc(arr.nbytes)
-            self.device.upload(buf, arr)
-            resident.buffers[key] = buf
+            resident.buffers[key] = self._upload(self._storage(w, weights))
         return resident.buffers[key]
+
+    def _packed(self, ws: tuple, weights: WeightLoader, resident: Resident, layout: str):
+        """The device buffer of weights `ws`, their rows one after another, in `layout`."""
+        key = (tuple(self._keys[w.value.name] for w in ws), layout)
+        if key not in resident.buffers:
+            rows = np.concatenate([self._storage(w, weights) for w in ws]) if len(ws) > 1 else self._storage(ws[0], weights)
+            resident.buffers[key] = self._upload(LAYOUTS[layout](rows))
+        return resident.buffers[key]
+
+    def _storage(self, w, weights: WeightLoader) -> np.ndarray:
+        arr = np.ascontiguousarray(weights(w))
+        expected = storage_shape(w.value, {})
+        if tuple(arr.shape) != expected or arr.dtype != w.value.type.dtype.numpy():
+            raise BindError(f"{self.graph.name}: weight {w.source}:{w.tensor} loaded as {arr.dtype}{list(arr.shape)}, "
+                            f"graph declares {w.value.type} (storage {w.value.type.dtype.numpy()}{list(expected)})")
+        return arr
+
+    def _upload(self, arr: np.ndarray):
+        buf = self.device.alloc(arr.nbytes)
+        self.device.upload(buf, arr)
+        return buf
 
     def _run_constant_steps(self, resident: Resident) -> None:
         for step in self.plan.steps:
@@ -347,6 +369,12 @@ class _Sized:
     def __init__(self, buffers: dict[str, Any]):
         self.buffers = buffers
         self.replay: Callable[[], None] | None = None
+
+
+def _packed_value(name: str, weights: list[Value]) -> Value:
+    """A pack's value: the weights' rows one after another."""
+    t = weights[0].type
+    return Value(name, TensorType(t.dtype, (sum(w.type.shape[0] for w in weights), *t.shape[1:])))
 
 
 def _memory(device: Device) -> Any:

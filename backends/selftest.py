@@ -25,6 +25,7 @@ from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
 from dflash_ir.interpreter import Interpreter
 from dflash_ir.ir import Graph, Value
+from dflash_ir.ops.specialised import OPS
 from dflash_ir.quant import quantize
 
 F32, F16, BF16, Q8, I32 = DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32
@@ -140,6 +141,9 @@ for _t in (3, 20):  # 6 rows (GEMV) and 40 rows (GEMM), K not a multiple of its 
     case(f"matmul_rank3_odd_k_T{_t}", T=_t)(lambda c: c.out(c.b.matmul(c.x("x", ("T", 2, 37)), c.w("w", (19, 37)))))
 case("matmul_dequantized_weight", T=3)(  # the dequantize runs once, at load (a constant step)
     lambda c: c.out(c.b.matmul(c.x("x", ("T", 64)), c.b.dequantize(c.w("w", (24, 64), Q8)))))
+for _rows in (1, 6):  # K = 34 Q8_0 blocks: two runs of 16 scales converted at once, then a tail of two
+    case(f"matmul_q8_0_scale_runs_{_rows}_rows", T=_rows)(
+        lambda c: c.out(c.b.matmul(c.x("x", ("T", 1088)), c.w("w", (40, 1088), Q8))))
 case("matmul_vector")(lambda c: c.out(c.b.matmul(c.x("x", (64,)), c.w("w", (5, 64), F16))))
 
 
@@ -156,6 +160,10 @@ for _form, _t in (("gemv", 1), ("gemv", 3), ("gemv", 20), ("gemm", 37)):  # the 
     case(f"matmul_q8_0_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, residual=_t == 3))
     case(f"matmul_q8_0_act_quant_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, False, True))
     case(f"matmul_f16_residual_{_t}_rows", T=_t)(_specialised("matmul_f16", F16, _form, residual=True))
+for _dt, _t in ((Q8, 1), (Q8, 5), (F16, 3)):  # a q/k/v-like group: 24 + 8 + 36 columns, one launch
+    case(f"matmul_group_{_dt}_{_t}_rows", T=_t)(lambda c, dt=_dt: c.out(*c.b.matmul_group(
+        c.x("x", ("T", 64)), *(c.w(f"w{i}", (n, 64), dt) for i, n in enumerate((24, 8, 36))), op=OPS[dt],
+        form="gemv", K=64, Ns=(24, 8, 36), layout=f"{dt}_rowmajor", act_quant=False)))
 for _dt in (F16, Q8):
     case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
         c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))
@@ -211,6 +219,8 @@ def _conv_in_place(c: CaseBuilder) -> None:
 
 
 case("causal_conv1d_T1_in_place")(_conv_in_place)
+case("causal_conv1d_silu_rows", T=3)(lambda c: c.out(*c.b.causal_conv1d(
+    c.x("x", ("T", 37)), c.w("w", (37, 4)), c.s("state", (3, 37)), emit_row_states=True, activation="silu")))
 
 
 def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, emit: bool, update: bool = False):
@@ -221,14 +231,19 @@ def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, emit: bo
         g = c.b.neg(c.b.softplus(c.x("g", ("T", hv))))
         beta = c.b.sigmoid(c.x("beta", ("T", hv)))
         state = c.s("state", (hv, dk, dv))
-        o, new, *rows = c.b.gated_delta_rule(q, k, c.x("v", ("T", hv, dv)), g, beta, state, scale=dk ** -0.5,
-                                             head_map=head_map, chunk_size=chunk, emit_row_states=emit)
-        if update:
-            c.b.update_state(state, new)
-            c.out(o, *rows)
-        else:
-            c.out(o, new, *rows)
+        _state_outputs(c, state, update, *c.b.gated_delta_rule(
+            q, k, c.x("v", ("T", hv, dv)), g, beta, state, scale=dk ** -0.5, head_map=head_map, chunk_size=chunk,
+            emit_row_states=emit))
     return make
+
+
+def _state_outputs(c: CaseBuilder, state: Value, update: bool, o: Value, new: Value, *rows: Value) -> None:
+    """A recurrence's outputs: the new state as the state's update (written in place) or as an output."""
+    if update:
+        c.b.update_state(state, new)
+        c.out(o, *rows)
+    else:
+        c.out(o, new, *rows)
 
 
 case("gated_delta_rule_rows_tiled", T=5)(_gdn(2, 4, 16, 16, "tiled", 0, True))
@@ -236,6 +251,21 @@ case("gated_delta_rule_grouped_dv40", T=3)(_gdn(1, 3, 32, 40, "grouped", 0, Fals
 case("gated_delta_rule_chunked_tail", T=7)(_gdn(2, 2, 16, 16, "tiled", 4, False))
 case("gated_delta_rule_in_place_rows", T=4)(_gdn(2, 4, 16, 24, "grouped", 0, True, update=True))
 case("gated_delta_rule_in_place_dv20", T=1)(_gdn(1, 2, 16, 20, "tiled", 0, False, update=True))
+
+
+def _fused_gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, emit: bool, update: bool):
+    """The fused op from a conv output [T, q | k | v]; update as in _gdn."""
+    def make(c: CaseBuilder) -> None:
+        state = c.s("state", (hv, dk, dv))
+        _state_outputs(c, state, update, *c.b.fused_gated_delta_rule(
+            c.x("mixed", ("T", 2 * hk * dk + hv * dv)), c.x("a", ("T", hv)), c.x("b", ("T", hv)),
+            c.w("dt_bias", (hv,)), c.b.neg(c.b.exp(c.w("a_log", (hv,)))), state, key_heads=hk, eps=1e-6,
+            scale=dk ** -0.5, head_map=head_map, emit_row_states=emit))
+    return make
+
+
+case("fused_gated_delta_rule_decode_in_place", T=1)(_fused_gdn(2, 4, 16, 16, "tiled", False, True))
+case("fused_gated_delta_rule_rows_grouped", T=4)(_fused_gdn(1, 2, 32, 24, "grouped", True, False))
 
 # -- data movement ------------------------------------------------------------------------
 case("concat_axis1", T=3)(lambda c: c.out(c.b.concat(c.x("a", ("T", 4)), c.x("b", ("T", 7)), c.x("c", ("T", 1)), axis=1)))

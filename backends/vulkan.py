@@ -118,7 +118,7 @@ class VulkanBackend(Backend):
         from .glsl import compile_spirv, render_glsl
 
         profile = self.profile()
-        plan = lower(graph, profile)
+        plan = lower(graph, profile, row_streams=1)
         variants = _variants()
         todo = []
         for variant, features in variants.items():

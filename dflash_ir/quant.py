@@ -99,3 +99,12 @@ def _quantize_bf16(x: np.ndarray) -> np.ndarray:
 
 
 _FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16, DType.Q8_0)
+
+
+def pack_q8_0_split(storage: np.ndarray) -> np.ndarray:
+    """Q8_0 storage (blocks of fp16 d + 32 int8, in row-major block order) in the split
+    layout: every block's 32 quants, then every block's scale (u8 bytes, same size). Block
+    i's quants are at byte 32 i and its scale at 32 n + 2 i, for n blocks: CPU kernels load
+    quants aligned and convert 16 scales at a time. Independent of how the blocks form rows."""
+    blocks = np.ascontiguousarray(storage, dtype=np.uint8).reshape(-1, DType.Q8_0.block_bytes)
+    return np.concatenate([blocks[:, 2:].reshape(-1), blocks[:, :2].reshape(-1)])

@@ -136,6 +136,18 @@ class Emitter:
         """How many nodes consume `value`, plus one if it is a graph output or a state update."""
         return len(self._work.users.get(value.name, ())) + self._work.external(value.name)
 
+    def readers(self, value: Value) -> list[Node]:
+        """The nodes consuming `value`, in schedule order."""
+        return [self._work.nodes[nid] for nid in sorted(self._work.users.get(value.name, ()),
+                                                         key=self._work.order.__getitem__)]
+
+    def value(self, name: str) -> Value:
+        return self._work.values[name]
+
+    def kind(self, value: Value) -> str:
+        """"input", "weight", "state" or "node"."""
+        return self._work.kind[value.name]
+
     def twin(self, node: Node) -> tuple[Value, ...] | None:
         """Outputs of another live node with the same op, inputs and attrs, if there is one."""
         nid = self._work.keys.get(_key(node))

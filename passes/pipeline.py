@@ -2,8 +2,8 @@
 
     -O0  the graph as built
     -O1  canonicalise
-    -O2  canonicalise, fuse_attention, fuse_moe, specialise_q8_0, fuse_elementwise,
-         canonicalise, plan_memory   (the default)
+    -O2  canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_q8_0,
+         fuse_elementwise, group_matmuls, canonicalise, plan_memory   (the default)
 
 `only` keeps just the named passes of the level, `skip` drops named ones. The graph is
 verified after every pass. With `dump_dir`, DIR/<graph name>/NN-<pass>.txt (the printer's
@@ -24,13 +24,15 @@ from dflash_ir.visualize import render, to_dot
 from .canonicalise import canonicalise
 from .fuse_attention import fuse_attention
 from .fuse_elementwise import fuse_elementwise
+from .fuse_gated_deltanet import fuse_gated_deltanet
 from .fuse_moe import fuse_moe
+from .group_matmuls import group_matmuls
 from .plan_memory import plan_memory
 from .specialise_q8_0 import specialise_q8_0
 
 Pass = Callable[[Graph], Graph]
-PASSES: tuple[Pass, ...] = (canonicalise, fuse_attention, fuse_moe, specialise_q8_0, fuse_elementwise, canonicalise,
-                            plan_memory)
+PASSES: tuple[Pass, ...] = (canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_q8_0,
+                            fuse_elementwise, group_matmuls, canonicalise, plan_memory)
 LEVELS: dict[int, tuple[Pass, ...]] = {0: (), 1: (canonicalise,), 2: PASSES}
 DEFAULT_LEVEL = 2
 PASS_NAMES = tuple(dict.fromkeys(p.__name__ for p in PASSES))

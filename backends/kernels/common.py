@@ -107,6 +107,13 @@ def weight_at(dtype: DType, buf: str, row: str, col: str, k: Dim) -> str:
     raise ValueError(f"{dtype} is not a weight dtype")
 
 
+def q8_0_split_at(buf: str, row: str, col: str, k: int, blocks: int) -> str:
+    """f32 value of element (row, col) of a Q8_0 weight with rows of k in the split layout
+    (`blocks` blocks in all: their quants, then their scales; plan.LAYOUTS)."""
+    return (f"(F32(LD_I8({buf}, I64({row}) * {k} + ({col}))) * "
+            f"HALF_AT_BYTE({buf}, {blocks * 32} + (I64({row}) * {k // 32} + ({col}) / 32) * 2))")
+
+
 def read(v: Value, buf: str, index: str) -> str:
     """Element `index` of `v`'s buffer `buf`, any dtype: narrow elements go through the
     LD_ macros (GLSL may store them packed in 32-bit words)."""

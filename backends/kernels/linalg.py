@@ -1,25 +1,27 @@
 """Weight-consuming ops: dequantize, embedding, matmul (GEMV and tiled GEMM), expert_matmul.
 
 Weights are read in their storage type (f32, f16, bf16 or Q8_0 blocks of fp16 d + 32 int8,
-34 bytes, so only 2-byte aligned: scales and pairs of quants are read as u16). The GEMV
-takes a Q8_0 block's scale out of its dot product (d * sum(q * x): a third fewer multiplies where the
-weight read should be the only cost); elsewhere values are the reference's d * q exactly.
+34 bytes, so only 2-byte aligned: scales and pairs of quants are read as u16). The GEMV and
+the CPU rowwise schedule take a Q8_0 block's scale out of its dot product (d * sum(q * x):
+a third fewer multiplies where the weight read should be the only cost); elsewhere values
+are the reference's d * q exactly.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dflash_ir.dtypes import DType
 from dflash_ir.types import Dim
 
 from ..lowering import NodeCtx, lowers
-from .common import cdiv, dim, flat_launch, prod, q8_row_bytes, weight_at
+from .common import cdiv, dim, flat_launch, prod, q8_0_split_at, q8_row_bytes, weight_at
 
 GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_q8_0); more take the tiled GEMM
 GEMV_THREADS = 256
 TILE = 32         # GEMM output tile (TILE x TILE) and K step
 THREADS = 16      # GEMM work-group is THREADS x THREADS, each thread 2x2 outputs
-ROWWISE_COLS = 8  # CPU schedule: output columns per work-group ...
+ROWWISE_COLS = 128  # CPU schedule: output columns per work-group ...
 ROWWISE_ROWS = 8  # ... and rows per work-item
 
 
@@ -32,10 +34,18 @@ def dequantize(ctx: NodeCtx) -> None:
 
 @lowers("embedding")
 def embedding(ctx: NodeCtx) -> None:
+    """On the CPU profile a Q8_0 table is read in the split layout, the one the (tied)
+    output head's matmul reads it in, so the table is on the device once."""
     table, ids = ctx.ins
     k = table.type.shape[1]
     ctx.check("index", ids, size=dim(table.type.shape[0]))
-    flat_launch(ctx, f"  out[i] = {weight_at(table.type.dtype, 'x0', f'x1[i / {dim(k)}]', f'i % {dim(k)}', k)};\n")
+    row, col = f"x1[i / {dim(k)}]", f"i % {dim(k)}"
+    if ctx.profile == "cpu" and table.type.dtype is DType.Q8_0:
+        packed = ctx.packed([table], "q8_0_split")
+        flat_launch(ctx, f"  out[i] = {q8_0_split_at('x0', row, col, k, math.prod(packed.type.shape) // 32)};\n",
+                    inputs=[packed, ids])
+        return
+    flat_launch(ctx, f"  out[i] = {weight_at(table.type.dtype, 'x0', row, col, k)};\n")
 
 
 @dataclass(frozen=True)
@@ -111,24 +121,39 @@ def _gemv_body(g: Gemv, rows: int, count: str, n_total: str, prologue: str, wrow
 
 
 def matmul_launch(ctx: NodeCtx, *, act_quant: bool = False) -> None:
-    """x @ wᵀ [+ residual] for node inputs (x, w[, residual]). GPU profile: a GEMV for up to
-    GEMV_ROWS rows, else a tiled GEMM; with a symbolic row count both are planned and the
-    launch picks one per call (a prefill's single logits row is a GEMV, its 512 hidden rows
-    a GEMM). CPU profile: the rowwise schedule for every row count."""
+    """x @ wᵀ [+ residual] for node inputs (x, w[, residual])."""
     x, w, *res = ctx.ins
-    out = ctx.outs[0]
-    n, k = w.type.shape
-    dtype = w.type.dtype
+    _matmul(ctx, x, [w], [ctx.outs[0]], res, act_quant)
+
+
+def _matmul(ctx: NodeCtx, x, weights: list, outs: list, res: list, act_quant: bool) -> None:
+    """x @ wᵀ over the rows of `weights` side by side (one weight, or a matmul_group's),
+    output i getting weight i's columns. GPU profile: a GEMV for up to GEMV_ROWS rows, else
+    a tiled GEMM; with a symbolic row count both are planned and the launch picks one per
+    call (a prefill's single logits row is a GEMV, its 512 hidden rows a GEMM). CPU profile:
+    the rowwise schedule for every row count, Q8_0 weights packed in the split layout."""
+    dtype, k = weights[0].type.dtype, weights[0].type.shape[1]
+    widths = [o.type.shape[-1] for o in outs]
+    n = sum(widths)
     M, N, K = prod(x.type.shape[:-1]), dim(n), dim(k)
-    buffers = [("x", x, False), ("w", w, False)] + [("residual", r, False) for r in res] + [("out", out, True)]
-    store = f"out[I64(row) * {N} + n] = {{}}" + (f" + residual[I64(row) * {N} + n]" if res else "")
+    rowwise = ctx.profile == "cpu" and not act_quant
+    if rowwise and dtype is DType.Q8_0:
+        w = ctx.packed(weights, "q8_0_split")
+    else:
+        w = weights[0] if len(weights) == 1 else ctx.packed(weights, "as_stored")
+    names = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
+    buffers = ([("x", x, False), ("w", w, False)] + [("residual", r, False) for r in res]
+               + [(name, o, True) for name, o in zip(names, outs)])
+    store = _store(names, widths, res)
     fixed = int(M) if M.isdigit() else None
-    if ctx.profile == "cpu" and not act_quant:
+    if rowwise:
+        blocks = math.prod(w.type.shape) // 32 if dtype is DType.Q8_0 else 0
         for rows, when in ((1, f"{M} == 1"), (ROWWISE_ROWS, f"{M} > 1")):  # one row keeps its sums in registers
             if fixed is None or (fixed == 1) == (rows == 1):
-                ctx.launch("matmul_rows", _rowwise_body(dtype, M, N, k, rows, store.format("s")), buffers=buffers,
-                           groups=[cdiv(M, rows), cdiv(N, ROWWISE_COLS)], local=(ROWWISE_COLS,),
-                           when=None if fixed else when)
+                streams = rowwise_streams(ctx, dtype, rows, n)
+                body = _rowwise_body(dtype, M, n, k, rows, store.format("s"), blocks=blocks, streams=streams)
+                ctx.launch("matmul_rows", body, buffers=buffers, groups=rowwise_groups(M, n, rows, streams),
+                           local=(ROWWISE_COLS,), when=None if fixed else when)
         return
     if fixed is None or fixed <= GEMV_ROWS:
         g = Gemv(dtype, k)
@@ -143,44 +168,119 @@ def matmul_launch(ctx: NodeCtx, *, act_quant: bool = False) -> None:
                    when=None if fixed else f"{M} > {GEMV_ROWS}")
 
 
-def _rowwise_body(dtype: DType, M: str, N: str, k: Dim, R: int, store: str, wrow: str = "n",
-                  xrow: str = "I64(row) * {K}") -> str:
+def _store(names: list[str], widths: list[int], res: list) -> str:
+    """The statement storing value {} of output column n (of all outputs side by side) and
+    row `row`: one output, or a chain choosing output i for its columns."""
+    if len(names) == 1:
+        N = dim(widths[0])
+        return f"out[I64(row) * {N} + n] = {{}}" + (f" + residual[I64(row) * {N} + n]" if res else "")
+    chain, start = [], 0
+    for i, (name, width) in enumerate(zip(names, widths)):
+        target = f"{name}[I64(row) * {width} + n - {start}] = {{0}}"
+        chain.append(target if i == len(names) - 1 else f"if (n < {start + width}) {target}; else ")
+        start += width
+    return "".join(chain)
+
+
+@lowers("matmul_group")
+def matmul_group(ctx: NodeCtx) -> None:
+    x, *weights = ctx.ins
+    _matmul(ctx, x, weights, ctx.outs, [], ctx.attr.get("act_quant", False))
+
+
+SCALE_RUN = 16  # split Q8_0: scales converted per run of this many blocks (one 16-wide load)
+
+
+def rowwise_streams(ctx: NodeCtx, dtype: DType, rows: int, n: Dim) -> int:
+    """Weight rows one work-item of the CPU schedule streams at once (up to ctx.row_streams):
+    a single-row Q8_0 product is bound by memory latency, and four rows far apart keep four
+    prefetch streams in flight per core (a 12288x4096 GEMV from DRAM on 2 cores, PoCL:
+    14.1 GB/s with one stream, 25.8 with four)."""
+    wide = dtype is DType.Q8_0 and rows == 1 and isinstance(n, int) and n >= ctx.row_streams
+    return ctx.row_streams if wide else 1
+
+
+def rowwise_groups(M: str, n: Dim, rows: int, streams: int) -> list[str]:
+    """The work-group grid of _rowwise_body for M rows of output width n."""
+    width = dim(n) if streams == 1 else str(-(-n // streams))
+    return [cdiv(M, rows), cdiv(width, ROWWISE_COLS)]
+
+
+def _rowwise_body(dtype: DType, M: str, n: Dim, k: Dim, R: int, store: str, wrow: str = "n",
+                  xrow: str = "I64(row) * {K}", blocks: int = 0, streams: int = 1) -> str:
     """CPU schedule of x @ wᵀ, any row count: a work-item owns output column n for a block of
-    R rows, dequantises each 32-element chunk of w's row n once and applies it to every row
+    R rows, converts each 32-element chunk of w's row n once and applies it to every row
     of the block, accumulating into independent sums per row, which a CPU compiler turns
     into vector FMAs (one running sum would be a serial dependency chain).
     Work-groups are numbered row-block fastest, so consecutive ones read the same
     ROWWISE_COLS weight rows, from cache after the first. Without a ragged K tail the
-    chunk loops have constant trip counts, which is what lets them vectorise. Q8_0 blocks go
-    through the dialect's block macros (Q8_0_DEQUANT32, DOT32_ACC8, in OpenCL vector types)
-    into eight sums per row (sixteen for a single row, two blocks per step). `wrow` is the
-    weight row of column n (of `r0` too for R = 1), `xrow` the offset of x's row `row`."""
-    K = dim(k)
+    chunk loops have constant trip counts, which is what lets them vectorise. `wrow` is the
+    weight row of column n (of `r0` too for R = 1), `xrow` the offset of x's row `row`,
+    `store` a statement of `row`, column `n` and the sum `s`.
+
+    A Q8_0 weight is read in the split layout (`blocks` blocks in all: quants, then
+    scales; plan.LAYOUTS): aligned quant loads through Q8S_LOAD32, and the scales of
+    SCALE_RUN blocks converted by one HALF16_AT_BYTE, where one f16 conversion per block
+    cost more than the block's arithmetic. Each block's partial sums are scaled by its d
+    (DOT32_ACC16) into sixteen sums per row; a single row keeps two sets (two blocks per
+    step) for each of its `rowwise_streams` columns."""
+    K, N = dim(k), dim(n)
     xrow = xrow.format(K=K)
-    step = 32
-    if dtype is DType.Q8_0:
-        # one row (decode): two blocks per step into two sums, so two block loads are in flight
-        U = 2 if R == 1 and isinstance(k, int) and k % 64 == 0 else 1
-        step = 32 * U
-        declare = f"ACC8_ZERO(acc, {R * U});\n"
-        load = "\n    ".join(f"Q8_0_DEQUANT32(wv{u}, w, I64({wrow}) * {q8_row_bytes(k)} + (c / 32 + {u}) * 34);"
-                              for u in range(U)) + "\n"
-        accumulate = "\n      ".join(f"DOT32_ACC8(acc[r * {U} + {u}], wv{u}, x, {xrow} + c + {32 * u});"
-                                    for u in range(U)) + "\n"
-        total = "float s = " + " + ".join(f"ACC8_SUM(acc[r * {U} + {u}])" for u in range(U)) + ";\n"
-    else:
-        whole = isinstance(k, int) and k % 32 == 0
-        value = weight_at(dtype, "w", wrow, "c + e", k)
-        declare = f"float acc[{R}][32];\n  for (int r = 0; r < {R}; ++r) for (int e = 0; e < 32; ++e) acc[r][e] = 0.0f;\n"
-        load = f"float wv[32];\n    for (int e = 0; e < 32; ++e) wv[e] = {value if whole else f'c + e < {K} ? {value} : 0.0f'};\n"
-        accumulate = (f"i64 xc = {xrow} + c;\n"
-                      f"      for (int e = 0; e < 32{'' if whole else f' && c + e < {K}'}; ++e) acc[r][e] += wv[e] * x[xc + e];\n")
-        total = "float s = 0.0f;\n    for (int e = 0; e < 32; ++e) s += acc[r][e];\n"
     rows = f"for (int r = 0; r < {R} && r0 + r < {M}; ++r) {{\n"
-    return (f"  int r0 = GID(0) * {R}, n = GID(1) * {ROWWISE_COLS} + LID(0);\n  if (n >= {N}) return;\n  {declare}"
-            f"  for (int c = 0; c < {K}; c += {step}) {{\n    {load}"
-            f"    {rows}      int row = r0 + r;\n      {accumulate}    }}\n  }}\n"
-            f"  {rows}    int row = r0 + r;\n    {total}    {store};\n  }}\n")
+    if dtype is DType.Q8_0:
+        return _rowwise_q8_0(n, k, R, store, wrow, xrow, blocks, rows, streams)
+    whole = isinstance(k, int) and k % 32 == 0
+    value = weight_at(dtype, "w", wrow, "c + e", k)
+    return (f"  int r0 = GID(0) * {R}, n = GID(1) * {ROWWISE_COLS} + LID(0);\n  if (n >= {N}) return;\n"
+            f"  float acc[{R}][32];\n  for (int r = 0; r < {R}; ++r) for (int e = 0; e < 32; ++e) acc[r][e] = 0.0f;\n"
+            f"  for (int c = 0; c < {K}; c += 32) {{\n"
+            f"    float wv[32];\n    for (int e = 0; e < 32; ++e) wv[e] = {value if whole else f'c + e < {K} ? {value} : 0.0f'};\n"
+            f"    {rows}      int row = r0 + r;\n      i64 xc = {xrow} + c;\n"
+            f"      for (int e = 0; e < 32{'' if whole else f' && c + e < {K}'}; ++e) acc[r][e] += wv[e] * x[xc + e];\n"
+            f"    }}\n  }}\n"
+            f"  {rows}    int row = r0 + r;\n    float s = 0.0f;\n    for (int e = 0; e < 32; ++e) s += acc[r][e];\n"
+            f"    {store};\n  }}\n")
+
+
+def _rowwise_q8_0(n: Dim, k: int, R: int, store: str, wrow: str, xrow: str, blocks: int, rows: str, S: int) -> str:
+    """The Q8_0 loops of _rowwise_body: runs of SCALE_RUN blocks, then the tail block by block,
+    for S columns n0 + i·Q (i < S) per work-item, Q = ceil(N / S); a column past N reads
+    row N-1 again and stores nothing."""
+    N = dim(n)
+    Q = -(-n // S) if S > 1 else N
+    nb, run = k // 32, SCALE_RUN * 32
+    full = nb // SCALE_RUN * run
+    U = 2 if R == 1 else 1  # one row (decode): two blocks per step into two sums, two loads in flight
+
+    def acc(i: int, u: int) -> str:
+        return f"acc[(r * {S} + {i}) * {U} + {u}]"
+
+    def step(c: str, scale, u_count: int) -> str:
+        loads = "".join(f"      Q8S_LOAD32(wv{i}_{u}, w, qrow{i} + {c} + {32 * u});\n"
+                        for i in range(S) for u in range(u_count))
+        dots = "".join(f"        DOT32_ACC16({acc(i, u)}, wv{i}_{u}, {scale(i, u)}, x, xr + {c} + {32 * u});\n"
+                       for i in range(S) for u in range(u_count))
+        return f"{loads}      {rows}        int row = r0 + r;\n        i64 xr = {xrow};\n{dots}      }}\n"
+
+    column = "n0" if S == 1 else f"min(n0 + {{i}} * {Q}, {N} - 1)"
+    body = (f"  int r0 = GID(0) * {R}, n0 = GID(1) * {ROWWISE_COLS} + LID(0);\n  if (n0 >= {Q}) return;\n"
+            f"  ACC16_ZERO(acc, {R * S * U});\n"
+            + "".join(f"  i64 qrow{i}, srow{i};\n  {{\n    int n = {column.format(i=i)};\n"
+                      f"    qrow{i} = I64({wrow}) * {k};\n    srow{i} = {blocks * 32} + I64({wrow}) * {nb * 2};\n  }}\n"
+                      for i in range(S)))
+    if full:
+        body += (f"  for (int c0 = 0; c0 < {full}; c0 += {run}) {{\n"
+                 + "".join(f"    HALF16_AT_BYTE(ds{i}, w, srow{i} + c0 / 16);\n" for i in range(S))
+                 + f"    for (int j = 0; j < {SCALE_RUN}; j += {U}) {{\n"
+                 + step("c0 + 32 * j", lambda i, u: f"ds{i}[j + {u}]", U) + "    }\n  }\n")
+    if full < k:
+        body += (f"  for (int c = {full}; c < {k}; c += 32) {{\n"
+                 + "".join(f"    float d{i} = HALF_AT_BYTE(w, srow{i} + c / 16);\n" for i in range(S))
+                 + step("c", lambda i, u: f"d{i}", 1) + "  }\n")
+    stores = "".join(f"    {{\n      int n = n0 + {i * (Q if S > 1 else 0)};\n      if (n < {N}) {{\n"
+                     f"        float s = {' + '.join(f'ACC16_SUM({acc(i, u)})' for u in range(U))};\n"
+                     f"        {store};\n      }}\n    }}\n" for i in range(S))
+    return body + f"  {rows}    int row = r0 + r;\n{stores}  }}\n"
 
 
 @lowers("matmul")
@@ -249,9 +349,14 @@ def expert_matmul(ctx: NodeCtx) -> None:
     buffers = [("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)]
     if ctx.profile == "cpu":
         xrow = f"I64(row / {slots}) * {{K}}" if x.type.rank == 2 else "I64(row) * {K}"
-        body = _rowwise_body(w.type.dtype, pairs, dim(n), k, 1, f"out[I64(row) * {dim(n)} + n] = s",
-                             f"I64(ids[r0]) * {dim(n)} + n", xrow)
-        ctx.launch("expert_matmul_rows", body, buffers=buffers, groups=[pairs, cdiv(dim(n), ROWWISE_COLS)],
+        blocks = 0
+        if w.type.dtype is DType.Q8_0:
+            buffers[1] = ("w", ctx.packed([w], "q8_0_split"), False)
+            blocks = math.prod(w.type.shape) // 32
+        streams = rowwise_streams(ctx, w.type.dtype, 1, n)
+        body = _rowwise_body(w.type.dtype, pairs, n, k, 1, f"out[I64(row) * {dim(n)} + n] = s",
+                             f"I64(ids[r0]) * {dim(n)} + n", xrow, blocks, streams)
+        ctx.launch("expert_matmul_rows", body, buffers=buffers, groups=rowwise_groups(pairs, n, 1, streams),
                    local=(ROWWISE_COLS,))
         return
     xrow = f"I64(p / {slots}) * {dim(k)}" if x.type.rank == 2 else f"I64(p) * {dim(k)}"

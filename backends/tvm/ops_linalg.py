@@ -93,3 +93,13 @@ def expert_matmul(ctx: TVMNodeCtx) -> None:
     ctx.kernel("expert_matmul", [("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)],
                block([("p", prod(ids.type.shape)), ("col", N)], f"out[p * {N} + col] = out[p * {N} + col] + {term}",
                      reduce=[("c", K)], init=f"out[p * {N} + col] = T.float32(0)"))
+
+
+@lowers("matmul_group")
+def matmul_group(ctx: TVMNodeCtx) -> None:
+    """The group as its members' matmuls, one kernel each."""
+    x, *weights = ctx.ins
+    a = ctx.attr
+    for w, out, n in zip(weights, ctx.outs, a["Ns"]):
+        ctx.sub(a["op"], x, w, outputs=[out], form=a["form"], K=a["K"], N=n, layout=a["layout"],
+                act_quant=a.get("act_quant", False))

@@ -70,10 +70,14 @@ def causal_conv1d(ctx: TVMNodeCtx) -> None:
                 f"x[T.max({r} - {K1}, 0) * {C} + ch])")
 
     sources = [("x", x, False), ("state", state, False)]
-    ctx.kernel("causal_conv1d", sources + [("w", w, False), ("y", y, True)],
+    silu = ctx.attr.get("activation", "none") == "silu"
+    conv = ctx.temp(y.type) if silu else y
+    ctx.kernel("causal_conv1d", sources + [("w", w, False), ("y", conv, True)],
                block([("row", T), ("ch", C)],
                      f"y[row * {C} + ch] = y[row * {C} + ch] + {xx('row + j')} * {weight_at(w.type.dtype, 'w', 'ch', 'j', width)}",
                      reduce=[("j", str(width))], init=f"y[row * {C} + ch] = T.float32(0)"))
+    if silu:
+        ctx.sub("silu", conv, outputs=[y])
     ctx.kernel("conv_state", sources + [("new_state", new_state, True)],
                block([("e", str(K1)), ("ch", C)], f"new_state[e * {C} + ch] = {xx(f'{T} + e')}"))
     if rows:
@@ -112,3 +116,21 @@ def gated_delta_rule(ctx: TVMNodeCtx) -> None:
                ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
     ctx.sequential("gated_delta_rule", buffers + [("row_states", r, True) for r in rows],
                    [("h", str(hv)), ("col", DV)], body, [("S", dk), ("a", 3)])
+
+
+@lowers("fused_gated_delta_rule")
+def fused_gated_delta_rule(ctx: TVMNodeCtx) -> None:
+    """The fused op as its parts' kernels (slices, norms, gate arithmetic, the rule)."""
+    mixed, a, b, dt_bias, ssm_a, state = ctx.ins
+    hv, dk, dv = state.type.shape
+    rows, kd = mixed.type.shape[0], ctx.attr["key_heads"] * dk
+
+    def part(start: int, stop: int, heads: int, width: int):
+        return ctx.sub("reshape", ctx.sub("slice", mixed, axis=1, start=start, stop=stop), shape=(rows, heads, width))
+
+    q, k = (ctx.sub("l2norm", part(i * kd, (i + 1) * kd, ctx.attr["key_heads"], dk), eps=ctx.attr["eps"])
+            for i in (0, 1))
+    g = ctx.sub("mul", ctx.sub("softplus", ctx.sub("add", a, dt_bias)), ssm_a)
+    rule = {n: ctx.attr[n] for n in ("scale", "head_map", "chunk_size", "emit_row_states") if n in ctx.attr}
+    ctx.sub("gated_delta_rule", q, k, part(2 * kd, mixed.type.shape[1], hv, dv), g, ctx.sub("sigmoid", b), state,
+            outputs=ctx.outs, **rule)

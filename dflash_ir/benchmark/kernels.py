@@ -19,10 +19,12 @@ from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph
 from dflash_ir.quant import dequantize, quantize
 
+from .limits import beyond_cache_bytes
 from .programs import single_graph_runner
 
 F32, F16, Q8 = DType.F32, DType.F16, DType.Q8_0
 Q8_BYTES = 34 / 32  # bytes per Q8_0 weight
+MAX_COPIES = 64  # of a decode GEMV's weight, to read it from memory rather than cache
 EXPERTS_ALLOCATED = 64  # of the 35B-A3B's 256: a token reads only its top-8 either way
 
 
@@ -54,17 +56,32 @@ def random_q8_0(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return blocks.reshape(*lead, k // 32 * 34)
 
 
-def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0) -> KernelCase:
+def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int | None = None) -> KernelCase:
     """x[rows, k] @ w[n, k]^T with a Q8_0 weight, built as the model builders build a linear
     layer (dequantize, then matmul): the interpreter dequantizes once at load, the passes
-    turn it into a Q8_0 GEMV (up to 16 rows) or tiled GEMM for the kernel backends."""
+    turn it into a Q8_0 GEMV (up to 16 rows) or tiled GEMM for the kernel backends.
+    A decode product (one row) is made over `copies` distinct weights, by default enough
+    to span twice the last-level cache, as a model's layers do: one 53 MB matrix read again
+    and again would come from a 300 MB L3, not from memory."""
     rng = np.random.default_rng(seed)
+    weight = n * k * Q8_BYTES
+    if copies is None:
+        copies = min(MAX_COPIES, max(1, -(-beyond_cache_bytes() // int(weight)))) if rows == 1 else 1
     b = GraphBuilder(name)
-    b.output("y", b.matmul(b.input("x", F32, ("T", k)), b.dequantize(b.weight("w", Q8, (n, k)))))
+    x = b.input("x", F32, ("T", k))
+    for c in range(copies):
+        b.output(f"y{c}", b.matmul(x, b.dequantize(b.weight(f"w{c}", Q8, (n, k)))))
     family = "gemv" if rows <= 16 else "gemm"
-    return KernelCase(name, family, b.build(), {"w": random_q8_0(rng, (n, k))},
-                      {"x": rng.standard_normal((rows, k)).astype(np.float32)},
-                      nbytes=n * k * Q8_BYTES + 4 * rows * (k + n), flops=2.0 * rows * n * k)
+    block = random_q8_0(rng, (n, k))
+    weights = {f"w{c}": block if c == 0 else _variant(block, c) for c in range(copies)}
+    return KernelCase(name, family, b.build(), weights, {"x": rng.standard_normal((rows, k)).astype(np.float32)},
+                      nbytes=copies * (weight + 4 * rows * n) + 4 * rows * k, flops=2.0 * copies * rows * n * k)
+
+
+def _variant(storage: np.ndarray, c: int) -> np.ndarray:
+    """Another Q8_0 matrix of the same statistics without drawing new random bytes (the rows
+    rotated by c): distinct memory for each copy at the cost of one copy."""
+    return np.roll(storage, c, axis=0)
 
 
 def attention_case(name: str, rows: int, context: int, hq: int = 16, hkv: int = 4, d: int = 256,
@@ -135,7 +152,7 @@ def default_cases(quick: bool = False) -> list[Callable[[], KernelCase]]:
     """The suite, as factories (cases are built one at a time: the large ones hold ~1 GB).
     `quick` scales every shape down ~16x for smoke tests."""
     if quick:
-        return [lambda: gemv_case("q8_0 gemv 512x256", 512, 256, 1),
+        return [lambda: gemv_case("q8_0 gemv 512x256", 512, 256, 1, copies=1),
                 lambda: gemv_case("q8_0 gemm 32x512x256", 512, 256, 32),
                 lambda: attention_case("attention T1 ctx128", 1, 128, hq=4, hkv=2, d=64),
                 lambda: gdn_case("gdn T1", 1, hk=2, hv=4, dk=32, dv=32),

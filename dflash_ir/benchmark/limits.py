@@ -52,10 +52,32 @@ def _gemm_graph(k: int):
     return b.build()
 
 
-def measure_limits(backend, work_dir: Path, *, elements: int = 1 << 24, gemm: int = 1024,
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's largest cache (sysfs), 0 where it cannot be read."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        sizes.append(int(text[:-1]) * scale[text[-1]] if text[-1] in scale else int(text))
+    return max(sizes, default=0)
+
+
+def beyond_cache_bytes() -> int:
+    """How many bytes a stream must span to come from memory, not cache: twice the last-level
+    cache (a server part's L3 can hold 300 MB), at least 64 MiB."""
+    return max(64 << 20, 2 * last_level_cache_bytes())
+
+
+def stream_elements() -> int:
+    """f32 elements per STREAM array: past the caches, at most 1 GiB."""
+    return min(1 << 28, beyond_cache_bytes() // 4)
+
+
+def measure_limits(backend, work_dir: Path, *, elements: int | None = None, gemm: int = 1024,
                    budget_s: float = 1.0) -> Limits:
-    """Copy and triad over `elements` f32 (64 MiB per array by default: past every cache), and
-    a `gemm` x `gemm` x `gemm` f32 product, all compiled and run by `backend`."""
+    """Copy and triad over `elements` f32 per array (default: past every cache), and a `gemm`
+    x `gemm` x `gemm` f32 product, all compiled and run by `backend`."""
+    elements = elements or stream_elements()
     rng = np.random.default_rng(0)
     x = rng.standard_normal(elements).astype(np.float32)
     work_dir = Path(work_dir)
@@ -71,9 +93,10 @@ def measure_limits(backend, work_dir: Path, *, elements: int = 1 << 24, gemm: in
                   product.rate(2.0 * gemm ** 3) / 1e9)
 
 
-def host_limits(*, elements: int = 1 << 24, gemm: int = 1024, budget_s: float = 1.0) -> Limits:
+def host_limits(*, elements: int | None = None, gemm: int = 1024, budget_s: float = 1.0) -> Limits:
     """The host through numpy alone (memcpy-speed copy, BLAS sgemm): the CPU's own ceiling,
     which the CPU backends (interpreter, PoCL, lavapipe, TVM llvm) all share."""
+    elements = elements or stream_elements()
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(elements).astype(np.float32) for _ in range(3))
     m = rng.standard_normal((gemm, gemm)).astype(np.float32)

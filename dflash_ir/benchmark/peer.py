@@ -5,10 +5,18 @@ llama.cpp quantises activations to Q8 inside its Q8_0 products, so near-ties may
 
 DFlash through llama.cpp is not reachable here: llama-cpp-python's `draft_model` hook is a
 Python-side proposer (prompt lookup), and its wheel builds no `llama-speculative` binary.
+
+llama.cpp runs in a child process: a build made for another CPU, or one whose AMX tile
+kernels a sandboxed kernel refuses, dies of SIGILL, and that must fail this one
+measurement with the fix, not the whole benchmark (or test session) with it.
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,6 +25,12 @@ from typing import Sequence
 import numpy as np
 
 INSTALL = "pip install llama-cpp-python (builds llama.cpp from source: ~10 min on 2 cores)"
+# llama.cpp built for this machine's x86-64 vector units without AMX (`make bench` uses it)
+PORTABLE_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON'
+                  '{avx512}" pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-python '
+                  'llama-cpp-python')
+AVX512 = " -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+PEER_TIMEOUT_S = 900
 
 
 @dataclass(frozen=True)
@@ -42,10 +56,42 @@ def peer_unavailable() -> str | None:
     return None
 
 
+class PeerCrashed(RuntimeError):
+    """llama.cpp's process died of a signal: its build does not run on this machine."""
+
+
+def portable_build_command() -> str:
+    """The llama-cpp-python rebuild for this CPU: AVX2, plus AVX-512 where /proc/cpuinfo has it, never AMX."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    return PORTABLE_BUILD.format(avx512=AVX512 if {"avx512f", "avx512_vnni", "avx512_bf16"} <= flags else "")
+
+
 def run_llama_cpp(model_name: str, gguf: Path, prompt_ids: Sequence[int], max_tokens: int, *, n_ctx: int = 512,
                   threads: int | None = None) -> PeerResult:
     """Greedy target-only generation of `max_tokens` after `prompt_ids`, timed per phase
-    (after one warm-up pass, as for our backends)."""
+    (after one warm-up pass, as for our backends), in a child process."""
+    request = dict(model_name=model_name, gguf=str(gguf), prompt_ids=[int(i) for i in prompt_ids],
+                   max_tokens=int(max_tokens), n_ctx=n_ctx, threads=threads)
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request), capture_output=True,
+                              text=True, timeout=PEER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"llama.cpp on {gguf} took over {PEER_TIMEOUT_S} s; stopped") from None
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        raise PeerCrashed(f"llama.cpp died of {name} on {gguf}: its build uses instructions this machine refuses "
+                          f"(built for another CPU, or AMX tiles a sandboxed kernel does not grant); rebuild it "
+                          f"for this machine: {portable_build_command()}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp failed on {gguf}: {proc.stderr.strip()[-2000:]}")
+    return PeerResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens: int, n_ctx: int,
+              threads: int | None) -> PeerResult:
     import llama_cpp
 
     threads = threads or os.cpu_count() or 1
@@ -72,3 +118,10 @@ def run_llama_cpp(model_name: str, gguf: Path, prompt_ids: Sequence[int], max_to
     tokens, prefill_s, decode_s = generate(max_tokens)
     return PeerResult("llama.cpp " + llama_cpp.__version__, model_name, threads, len(prompt_ids), len(tokens),
                       len(prompt_ids) / prefill_s, (len(tokens) - 1) / decode_s if decode_s else 0.0, tokens)
+
+
+if __name__ == "__main__":  # `--build-command` prints the rebuild; otherwise one request on stdin
+    if sys.argv[1:] == ["--build-command"]:
+        print(portable_build_command())
+    else:
+        print(json.dumps(_generate(**json.loads(sys.stdin.read())).to_dict()))

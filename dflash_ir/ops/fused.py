@@ -14,7 +14,8 @@ from .attention import attention, kv_write
 from .elementwise import sigmoid_f32
 from .linalg import as_f32, expert_matmul, matmul
 from .position import rope
-from .reduce import rmsnorm, softmax, sum_, topk
+from .recurrent import gated_delta_rule
+from .reduce import l2norm, rmsnorm, softmax, sum_, topk
 from .registry import get_op
 from .rules import (
     WEIGHT_DTYPES,
@@ -81,6 +82,50 @@ def fused_attention(q, k, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_
     if gated:
         o = np.asarray(o * sigmoid_f32(q[..., d:].reshape(o.shape)))
     return (o, k_all, v_all) if persist else o
+
+
+def _fused_gdn_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps, scale, head_map, chunk_size,
+                    emit_row_states):
+    expect_rank("mixed", mixed, 2)
+    expect_rank("state", state, 3)
+    int_attr("key_heads", key_heads, minimum=1)
+    hv, dk, dv = state.shape
+    check(all(isinstance(d, int) for d in (hv, dk, dv, mixed.shape[1])),
+          f"state {state} and channels of {mixed} must be static")
+    expect_same("mixed channels", mixed.shape[1], "2 * key_heads * key dim + value heads * value dim",
+                2 * key_heads * dk + hv * dv, (mixed, state))
+    for name, t in (("dt_bias", dt_bias), ("ssm_a", ssm_a)):
+        expect_dtype(name, t, DType.F32)
+        expect_rank(name, t, 1)
+        expect_same(f"{name} length", t.shape[0], "value heads", hv, (t, state))
+    rows = mixed.shape[0]
+    (qk,) = _infer("l2norm", f32((rows, key_heads, dk)), eps=eps)
+    (g,) = _infer("mul", *_infer("softplus", *_infer("add", a, dt_bias)), ssm_a)
+    (beta,) = _infer("sigmoid", b)
+    return _infer("gated_delta_rule", qk, qk, f32((rows, hv, dv)), g, beta, state, scale=scale, head_map=head_map,
+                  chunk_size=chunk_size, emit_row_states=emit_row_states)
+
+
+@defop("fused_gated_delta_rule", _fused_gdn_rule)
+def fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps, scale, head_map="tiled",
+                           chunk_size=0, emit_row_states=False):
+    """A Gated DeltaNet layer's recurrence from its conv output: q and k are L2-normalised
+    head slices of `mixed` (= [q | k | v] channels), the decay is softplus(a + dt_bias) ·
+    ssm_a and β = sigmoid(b), then the gated delta rule. One kernel instead of the slices,
+    norms and gate arithmetic around it."""
+    rows, (hv, dk, dv) = len(mixed), state.shape
+    kd = key_heads * dk
+    q = l2norm(mixed[:, :kd].reshape(rows, key_heads, dk), eps=eps)
+    k = l2norm(mixed[:, kd:2 * kd].reshape(rows, key_heads, dk), eps=eps)
+    v = mixed[:, 2 * kd:].reshape(rows, hv, dv)
+    g = _reference("mul", _reference("softplus", _reference("add", a, dt_bias)), ssm_a)
+    return gated_delta_rule(q, k, v, g, _reference("sigmoid", b), state, scale=scale, head_map=head_map,
+                            chunk_size=chunk_size, emit_row_states=emit_row_states)
+
+
+def _reference(op: str, *arrays: np.ndarray) -> np.ndarray:
+    """The unfused op's own reference, so the fused op computes exactly what it replaced."""
+    return get_op(op).run(arrays, {})[0]
 
 
 def _fused_moe_rule(x, router_w, gate_exps, up_exps, down_exps, shexp_gate_w, shexp_up_w, shexp_down_w,

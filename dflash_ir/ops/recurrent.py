@@ -10,6 +10,7 @@ import numpy as np
 
 from ..dtypes import DType
 from ..types import TensorType
+from .elementwise import sigmoid_f32
 from .linalg import as_f32
 from .rules import (
     WEIGHT_DTYPES,
@@ -29,7 +30,10 @@ from .rules import (
 F32 = np.float32
 
 
-def _conv_rule(x: TensorType, w: TensorType, state: TensorType, *, emit_row_states):
+ACTIVATIONS = ("none", "silu")
+
+
+def _conv_rule(x: TensorType, w: TensorType, state: TensorType, *, emit_row_states, activation):
     expect_dtype("x", x, DType.F32)
     expect_rank("x", x, 2)
     expect_dtype("w", w, *WEIGHT_DTYPES)
@@ -45,18 +49,22 @@ def _conv_rule(x: TensorType, w: TensorType, state: TensorType, *, emit_row_stat
         check(width >= 1, f"kernel width must be >= 1 in {w}")
         expect_same("state rows", state.shape[0], "kernel width - 1", width - 1, shapes)
     bool_attr("emit_row_states", emit_row_states)
+    choice_attr("activation", activation, ACTIVATIONS)
     outputs = (x, state)
     return outputs + ((f32((x.shape[0],) + state.shape),) if emit_row_states else ())
 
 
 @defop("causal_conv1d", _conv_rule)
-def causal_conv1d(x, w, state, *, emit_row_states=False):
-    """Depthwise causal conv over xx = concat(state, x): y[t, c] = Σ_j w[c, j]·xx[t+j, c].
-    Returns (y, last K-1 rows of xx[, the state after each row])."""
+def causal_conv1d(x, w, state, *, emit_row_states=False, activation="none"):
+    """Depthwise causal conv over xx = concat(state, x): y[t, c] = Σ_j w[c, j]·xx[t+j, c],
+    then silu(y) with activation="silu" (Gated DeltaNet's conv; the states hold xx rows,
+    never y). Returns (y, last K-1 rows of xx[, the state after each row])."""
     width = w.shape[1]
     rows = np.concatenate([state, x]).astype(F32)
     windows = np.lib.stride_tricks.sliding_window_view(rows, width, axis=0)  # [T, C, K]
     y = np.sum(windows * as_f32(w), axis=-1, dtype=F32)
+    if activation == "silu":
+        y = np.asarray(y * sigmoid_f32(y), dtype=F32)
     new_state = rows[len(x):].copy()
     if not emit_row_states:
         return y, new_state

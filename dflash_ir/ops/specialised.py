@@ -78,3 +78,20 @@ def _matmul_act_q8_0(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 for _dtype in OPS:
     _specialised(_dtype)
+
+
+def _group_rule(x: TensorType, *weights: TensorType, op, form, K, Ns, layout, act_quant) -> tuple[TensorType, ...]:
+    choice_attr("op", op, list(OPS.values()))
+    check(len(weights) >= 2, f"a group needs two weights or more, got {len(weights)}")
+    check(isinstance(Ns, tuple) and len(Ns) == len(weights), f"Ns={Ns!r} must give one N per weight")
+    return tuple(get_op(op).output_types([x, w], dict(form=form, K=K, N=n, layout=layout, act_quant=act_quant))[0]
+                 for w, n in zip(weights, Ns))
+
+
+@defop("matmul_group", _group_rule)
+def matmul_group(x, *weights, op, form, K, Ns, layout, act_quant=False):
+    """x @ wᵢᵀ for several weights of one storage type and K that read the same x (a layer's
+    q/k/v, gate/up or Gated DeltaNet input projections): one kernel over their rows side by
+    side. Output i is exactly matmul `op` of weight i."""
+    return tuple(get_op(op).run([x, w], dict(form=form, K=K, N=n, layout=layout, act_quant=act_quant))[0]
+                 for w, n in zip(weights, Ns))

@@ -40,3 +40,58 @@ def test_every_op_has_a_case():
 
     covered = {n.op for c in CASES.values() for n in c.build().b.build().nodes}
     assert set(all_ops()) - covered == set()
+
+
+def test_half16_conversion_is_exact_for_every_bit_pattern(opencl):
+    """The split Q8_0 matmul converts 16 scales at once with the dialect's own helper, not
+    vload_half: every f16 (zeros, subnormals, infinities, NaN payloads) must come out as
+    numpy converts it, bit for bit."""
+    import numpy as np
+    import pyopencl as cl
+
+    from dflash_ir.backends.cstyle import DIALECTS
+    from dflash_ir.backends.opencl import _context
+
+    ctx, queue, _ = _context()
+    source = DIALECTS["opencl"].module_header() + (
+        "__kernel void convert(__global const ushort* h, __global float* out) {\n"
+        "  int i = get_global_id(0) * 16;\n  vstore16(half16_portable(vload16(0, h + i)), 0, out + i);\n}\n")
+    kernel = cl.Program(ctx, source).build().convert
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(bits.size, np.float32)
+    mf = cl.mem_flags
+    h = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=bits)
+    o = cl.Buffer(ctx, mf.WRITE_ONLY, out.nbytes)
+    kernel(queue, (bits.size // 16,), None, h, o)
+    cl.enqueue_copy(queue, out, o)
+    np.testing.assert_array_equal(out.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path):
+    """A Q8_0 weight read by the CPU matmul and the embedding (a tied head) is uploaded once,
+    in the split layout, and never in the GGUF's block layout."""
+    import numpy as np
+
+    from dflash_ir.backends.lowering import lower
+    from dflash_ir.builder import GraphBuilder
+    from dflash_ir.dtypes import DType
+    from dflash_ir.interpreter import Interpreter
+    from dflash_ir.passes.pipeline import run_pipeline
+    from dflash_ir.quant import quantize
+
+    b = GraphBuilder("tied")
+    table = b.weight("table", DType.Q8_0, (40, 64))
+    h = b.embedding(table, b.input("ids", DType.I32, ("T",)))
+    b.output("logits", b.matmul(h, b.dequantize(table)))
+    graph = run_pipeline(b.build())
+    plan = lower(graph, "cpu")
+    assert plan.packs == {"table@q8_0_split": (("table",), "q8_0_split")}
+    bound = {v for s in plan.steps for launch in s.launches for v in launch.buffers}
+    assert "table" not in bound and "table@q8_0_split" in bound
+    weights = {"table": quantize(np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32), DType.Q8_0)}
+    program = opencl.load(graph, opencl.compile(graph, tmp_path), tmp_path, lambda w: weights[w.tensor])
+    ids = np.array([3, 39, 0], np.int32)
+    got = program.run({"ids": ids}).outputs["logits"]
+    want = Interpreter(graph, lambda w: weights[w.tensor]).run({"ids": ids}).outputs["logits"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert list(program._resident) == ["table@q8_0_split"]

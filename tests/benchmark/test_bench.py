@@ -9,7 +9,7 @@ from dflash_ir.backends.base import get_backend
 from dflash_ir.benchmark import cli
 from dflash_ir.benchmark.kernels import Q8_BYTES, gemv_case, random_q8_0
 from dflash_ir.benchmark.models import synthetic_model
-from dflash_ir.benchmark.peer import peer_unavailable, run_llama_cpp
+from dflash_ir.benchmark.peer import PeerCrashed, peer_unavailable, run_llama_cpp
 from dflash_ir.dtypes import DType
 from dflash_ir.quant import dequantize
 
@@ -19,8 +19,21 @@ def test_gemv_case_counts_weight_and_activation_traffic():
     assert case.family == "gemv"
     assert case.nbytes == 64 * 96 * 34 / 32 + 4 * 3 * (96 + 64)
     assert case.flops == 2 * 3 * 64 * 96
-    assert case.weights["w"].shape == (64, 96 // 32 * 34)
+    assert case.weights["w0"].shape == (64, 96 // 32 * 34)
     assert gemv_case("g", 64, 96, 17).family == "gemm"
+
+
+def test_decode_gemv_reads_enough_weight_copies_to_miss_the_cache(monkeypatch):
+    """One row: as many distinct weights as span twice the last-level cache, each its own
+    output, all counted; a 300 MB L3 would otherwise serve a 53 MB matrix."""
+    import dflash_ir.benchmark.kernels as kernels
+
+    monkeypatch.setattr(kernels, "beyond_cache_bytes", lambda: 3 * 64 * 96 * 34 // 32)
+    case = gemv_case("g", 64, 96, 1)
+    assert [name for name, _ in case.graph.outputs] == ["y0", "y1", "y2"]
+    assert case.nbytes == 3 * (64 * 96 * 34 / 32 + 4 * 64) + 4 * 96
+    assert not np.array_equal(case.weights["w0"], case.weights["w2"])
+    assert gemv_case("g", 64, 96, 3).nbytes == 64 * 96 * 34 / 32 + 4 * 3 * (96 + 64)  # verify rows: one copy
 
 
 def test_random_q8_0_is_valid_storage_with_the_stated_scale():
@@ -81,6 +94,9 @@ def test_llama_cpp_greedy_tokens_equal_ours_on_the_synthetic_model(tmp_path):
 
     model = synthetic_model(small=True)
     ours = run_end_to_end("numpy", model, tmp_path, max_tokens=12)
-    theirs = run_llama_cpp(model.name, model.target, ours.prompt_ids, len(ours.tokens))
+    try:
+        theirs = run_llama_cpp(model.name, model.target, ours.prompt_ids, len(ours.tokens))
+    except PeerCrashed as e:  # an install that does not run on this CPU, not a wrong answer
+        pytest.skip(str(e))
     assert theirs.tokens == ours.tokens
     assert theirs.prefill_tps > 0 and theirs.decode_tps > 0

@@ -33,6 +33,16 @@ def test_conv_by_hand():
     assert new_state[:, 0].tolist() == [2, 3]
 
 
+def test_conv_silu_activation_by_hand():
+    x, w, state = np.array([[1.0], [2.0]], F), np.array([[1.0, -1.0]], F), np.array([[3.0]], F)
+    y, new_state = run("causal_conv1d", x, w, state, activation="silu")
+    plain = np.array([3.0 - 1.0, 1.0 - 2.0])  # xx = 3 1 2
+    np.testing.assert_allclose(y[:, 0], plain / (1 + np.exp(-plain)), rtol=1e-6)
+    assert new_state[:, 0].tolist() == [2.0]  # the state holds inputs, not activations
+    with pytest.raises(OpError, match="activation must be one of 'none', 'silu'"):
+        types("causal_conv1d", "f32[T,6]", "f32[6,4]", "f32[3,6]", activation="relu")
+
+
 @pytest.mark.parametrize("T, C, K", [(5, 3, 4), (1, 6, 4), (2, 3, 4), (4, 2, 1)])
 def test_conv_matches_zero_padded_loops(T, C, K):
     x, w, state = conv_inputs(T, C, K)
@@ -168,6 +178,36 @@ def test_row_states_are_prefix_final_states():
         prefix = (a[:t + 1] for a in (q, k, v, g, beta))
         np.testing.assert_array_equal(rows[t], run("gated_delta_rule", *prefix, state, scale=0.5)[1])
     np.testing.assert_array_equal(rows[-1], final)
+
+
+@pytest.mark.parametrize("head_map, head_of", [("tiled", lambda h: h % 2), ("grouped", lambda h: h // 2)])
+def test_fused_rule_normalises_and_gates_like_the_transition_form(head_map, head_of):
+    """The fused op from a raw conv output [q | k | v] and raw gates, against the f64
+    transition form fed with hand-normalised q, k and hand-computed decay and β."""
+    T, Hk, Hv, dk, dv = 3, 2, 4, 16, 8
+    mixed = rng.standard_normal((T, 2 * Hk * dk + Hv * dv)).astype(F)
+    a, b = rng.standard_normal((T, Hv)).astype(F), rng.standard_normal((T, Hv)).astype(F)
+    dt_bias, ssm_a = rng.standard_normal(Hv).astype(F), -np.exp(rng.standard_normal(Hv)).astype(F)
+    state = (0.3 * rng.standard_normal((Hv, dk, dv))).astype(F)
+    o, new = run("fused_gated_delta_rule", mixed, a, b, dt_bias, ssm_a, state, key_heads=Hk, eps=1e-6, scale=0.25,
+                 head_map=head_map)
+    m = mixed.astype(np.float64)
+    q, k = (m[:, i * Hk * dk:(i + 1) * Hk * dk].reshape(T, Hk, dk) for i in (0, 1))
+    q, k = (x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6) for x in (q, k))
+    g = np.log1p(np.exp(a + dt_bias.astype(np.float64))) * ssm_a
+    want_o, want_s = gdn_transition_form(q, k, m[:, 2 * Hk * dk:].reshape(T, Hv, dv), g, 1 / (1 + np.exp(-b)),
+                                         state, 0.25, head_of)
+    np.testing.assert_allclose(o, want_o, atol=2e-5)
+    np.testing.assert_allclose(new, want_s, atol=2e-5)
+
+
+def test_fused_rule_checks_the_channel_split():
+    args = ["f32[T,52]", "f32[T,4]", "f32[T,4]", "f32[4]", "f32[4]", "f32[4,8,5]"]
+    assert types("fused_gated_delta_rule", *args, key_heads=2, eps=1e-6, scale=0.3) == ["f32[T,4,5]", "f32[4,8,5]"]
+    with pytest.raises(OpError, match=r"mixed channels \(52\) != 2 \* key_heads \* key dim .* \(36\)"):
+        types("fused_gated_delta_rule", *args, key_heads=1, eps=1e-6, scale=0.3)
+    with pytest.raises(OpError, match=r"dt_bias length \(3\) != value heads \(4\)"):
+        types("fused_gated_delta_rule", *args[:3], "f32[3]", *args[4:], key_heads=2, eps=1e-6, scale=0.3)
 
 
 def test_gdn_rule():

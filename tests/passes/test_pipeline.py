@@ -9,9 +9,10 @@ from dflash_ir.printer import parse_graph
 from dflash_ir.serialize import load_yaml
 from dflash_ir.verifier import verify
 
-FUSED = {"fused_attention", "fused_moe", "matmul_q8_0", "matmul_f16", "swiglu", "sigmoid_gate"}
-ORDER = ["canonicalise", "fuse_attention", "fuse_moe", "specialise_q8_0", "fuse_elementwise", "canonicalise",
-         "plan_memory"]
+FUSED = {"fused_attention", "fused_moe", "fused_gated_delta_rule", "matmul_q8_0", "matmul_f16", "matmul_group",
+         "swiglu", "sigmoid_gate"}
+ORDER = ["canonicalise", "fuse_attention", "fuse_moe", "fuse_gated_deltanet", "specialise_q8_0", "fuse_elementwise",
+         "group_matmuls", "canonicalise", "plan_memory"]
 DUMPS = ["00-input", *(f"{i:02d}-{p}" for i, p in enumerate(ORDER, 1))]
 
 
@@ -43,6 +44,8 @@ def test_full_pipeline_kernel_counts(tiny_models, worst_relative, arch):
         if name.startswith("target"):
             assert counts["fused_attention"] == sum(not r for r in target.layer_is_recurrent), name
             assert counts.get("fused_moe", 0) == (target.n_layer if target.n_expert else 0), name
+            assert counts["fused_gated_delta_rule"] == sum(target.layer_is_recurrent), name
+            assert not {"gated_delta_rule", "l2norm", "softplus", "silu"} & counts.keys(), name
         elif name == "draft.block":
             assert counts["fused_attention"] == draft.n_layer
         assert worst_relative(g, out, pair.weights) <= 1e-5, name

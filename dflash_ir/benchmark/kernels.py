@@ -62,20 +62,23 @@ def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int |
     turn it into a Q8_0 GEMV (up to 16 rows) or tiled GEMM for the kernel backends.
     A decode product (one row) is made over `copies` distinct weights, by default enough
     to span twice the last-level cache, as a model's layers do: one 53 MB matrix read again
-    and again would come from a 300 MB L3, not from memory."""
+    and again would come from a 300 MB L3, not from memory. Each copy has its own x (equal
+    values), as each layer has: products of one x would be grouped into one (group_matmuls)."""
     rng = np.random.default_rng(seed)
     weight = n * k * Q8_BYTES
     if copies is None:
         copies = min(MAX_COPIES, max(1, -(-beyond_cache_bytes() // int(weight)))) if rows == 1 else 1
     b = GraphBuilder(name)
-    x = b.input("x", F32, ("T", k))
     for c in range(copies):
+        x = b.input("x" if c == 0 else f"x{c}", F32, ("T", k))
         b.output(f"y{c}", b.matmul(x, b.dequantize(b.weight(f"w{c}", Q8, (n, k)))))
     family = "gemv" if rows <= 16 else "gemm"
     block = random_q8_0(rng, (n, k))
     weights = {f"w{c}": block if c == 0 else _variant(block, c) for c in range(copies)}
-    return KernelCase(name, family, b.build(), weights, {"x": rng.standard_normal((rows, k)).astype(np.float32)},
-                      nbytes=copies * (weight + 4 * rows * n) + 4 * rows * k, flops=2.0 * copies * rows * n * k)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    inputs = {"x" if c == 0 else f"x{c}": x for c in range(copies)}
+    return KernelCase(name, family, b.build(), weights, inputs,
+                      nbytes=copies * (weight + 4 * rows * (k + n)), flops=2.0 * copies * rows * n * k)
 
 
 def _variant(storage: np.ndarray, c: int) -> np.ndarray:

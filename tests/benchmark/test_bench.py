@@ -31,7 +31,8 @@ def test_decode_gemv_reads_enough_weight_copies_to_miss_the_cache(monkeypatch):
     monkeypatch.setattr(kernels, "beyond_cache_bytes", lambda: 3 * 64 * 96 * 34 // 32)
     case = gemv_case("g", 64, 96, 1)
     assert [name for name, _ in case.graph.outputs] == ["y0", "y1", "y2"]
-    assert case.nbytes == 3 * (64 * 96 * 34 / 32 + 4 * 64) + 4 * 96
+    assert case.nbytes == 3 * (64 * 96 * 34 / 32 + 4 * (96 + 64))
+    assert [v.name for v in case.graph.inputs] == ["x", "x1", "x2"]  # one x each: no group_matmuls
     assert not np.array_equal(case.weights["w0"], case.weights["w2"])
     assert gemv_case("g", 64, 96, 3).nbytes == 64 * 96 * 34 / 32 + 4 * 3 * (96 + 64)  # verify rows: one copy
 

@@ -30,7 +30,7 @@ from dflash_ir.ops.registry import get_op
 from dflash_ir.types import TensorType
 
 from .cstyle import Buffer, Kernel
-from .plan import Check, Launch, Plan, Step, compile_expr, symbol_param
+from .plan import Check, Launch, Plan, Step, compile_expr, packed_type, symbol_param
 
 CTYPES = {DType.F32: "float", DType.F16: "u16", DType.BF16: "u16", DType.Q8_0: "u8", DType.I32: "int",
           DType.I64: "i64", DType.BOOL: "u8"}
@@ -118,9 +118,7 @@ class NodeCtxBase:
         name = f"{'+'.join(roots)}@{layout}"
         self._l.plan.packs[name] = (roots, layout)
         if name not in self._l.values:
-            types = [self._l.values[r].type for r in roots]
-            rows = sum(t.shape[0] for t in types)
-            self._l.values[name] = Value(name, TensorType(types[0].dtype, (rows, *types[0].shape[1:])))
+            self._l.values[name] = Value(name, packed_type([self._l.values[r].type for r in roots]))
         return self._l.values[name]
 
     def is_input(self, v: Value) -> bool:

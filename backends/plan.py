@@ -15,16 +15,22 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from dflash_ir.quant import pack_q8_0_split
+from dflash_ir.types import TensorType
 
 from .cstyle import Kernel
 
 # weight layouts a kernel may ask for: name -> storage bytes in that layout
 LAYOUTS = {"q8_0_split": pack_q8_0_split, "as_stored": np.ascontiguousarray}
+
+
+def packed_type(types: Sequence[TensorType]) -> TensorType:
+    """The type of a pack: its weights' rows one after another."""
+    return TensorType(types[0].dtype, (sum(t.shape[0] for t in types), *types[0].shape[1:]))
 
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "min": min, "max": max}
 _NODES = (ast.Expression, ast.BinOp, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Call, ast.Name, ast.Load,

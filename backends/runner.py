@@ -30,9 +30,9 @@ import numpy as np
 from dflash_ir.errors import ContextOverflowError
 from dflash_ir.interpreter import BindError, RunResult, WeightLoader, storage_shape
 from dflash_ir.ir import Graph, Value
-from dflash_ir.types import TensorType, parse_type
+from dflash_ir.types import parse_type
 
-from .plan import LAYOUTS, Check, Plan, compile_expr, symbol_param
+from .plan import LAYOUTS, Check, Plan, compile_expr, packed_type, symbol_param
 
 _PLANS_KEPT = 4  # buffer sets kept for distinct symbol values (prefill chunk sizes, T=1, T=16 ...)
 
@@ -109,7 +109,8 @@ class DeviceProgram:
         self.plan = plan
         self.device = device
         self.values = {**graph.values(), **{n: Value(n, parse_type(t)) for n, t in plan.temps.items()}}
-        self.values.update({name: _packed_value(name, [self.values[w] for w in ws]) for name, (ws, _) in plan.packs.items()})
+        self.values.update({name: Value(name, packed_type([self.values[w].type for w in ws]))
+                            for name, (ws, _) in plan.packs.items()})
         self._exprs: dict[str, Callable] = {}
         self._memory: OrderedDict[tuple, _Sized] = OrderedDict()
         self._root = lambda name: plan.aliases.get(name, name)
@@ -369,12 +370,6 @@ class _Sized:
     def __init__(self, buffers: dict[str, Any]):
         self.buffers = buffers
         self.replay: Callable[[], None] | None = None
-
-
-def _packed_value(name: str, weights: list[Value]) -> Value:
-    """A pack's value: the weights' rows one after another."""
-    t = weights[0].type
-    return Value(name, TensorType(t.dtype, (sum(w.type.shape[0] for w in weights), *t.shape[1:])))
 
 
 def _memory(device: Device) -> Any:

@@ -41,11 +41,16 @@ def embedding(ctx: NodeCtx) -> None:
     ctx.check("index", ids, size=dim(table.type.shape[0]))
     row, col = f"x1[i / {dim(k)}]", f"i % {dim(k)}"
     if ctx.profile == "cpu" and table.type.dtype is DType.Q8_0:
-        packed = ctx.packed([table], "q8_0_split")
-        flat_launch(ctx, f"  out[i] = {q8_0_split_at('x0', row, col, k, math.prod(packed.type.shape) // 32)};\n",
-                    inputs=[packed, ids])
+        packed, blocks = _split_q8_0(ctx, [table])
+        flat_launch(ctx, f"  out[i] = {q8_0_split_at('x0', row, col, k, blocks)};\n", inputs=[packed, ids])
         return
     flat_launch(ctx, f"  out[i] = {weight_at(table.type.dtype, 'x0', row, col, k)};\n")
+
+
+def _split_q8_0(ctx: NodeCtx, weights: list) -> tuple:
+    """(the Q8_0 weights' rows packed in the split layout, how many blocks the pack holds)."""
+    packed = ctx.packed(weights, "q8_0_split")
+    return packed, math.prod(packed.type.shape) // 32
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,9 @@ def _matmul(ctx: NodeCtx, x, weights: list, outs: list, res: list, act_quant: bo
     n = sum(widths)
     M, N, K = prod(x.type.shape[:-1]), dim(n), dim(k)
     rowwise = ctx.profile == "cpu" and not act_quant
+    blocks = 0
     if rowwise and dtype is DType.Q8_0:
-        w = ctx.packed(weights, "q8_0_split")
+        w, blocks = _split_q8_0(ctx, weights)
     else:
         w = weights[0] if len(weights) == 1 else ctx.packed(weights, "as_stored")
     names = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
@@ -147,7 +153,6 @@ def _matmul(ctx: NodeCtx, x, weights: list, outs: list, res: list, act_quant: bo
     store = _store(names, widths, res)
     fixed = int(M) if M.isdigit() else None
     if rowwise:
-        blocks = math.prod(w.type.shape) // 32 if dtype is DType.Q8_0 else 0
         for rows, when in ((1, f"{M} == 1"), (ROWWISE_ROWS, f"{M} > 1")):  # one row keeps its sums in registers
             if fixed is None or (fixed == 1) == (rows == 1):
                 streams = rowwise_streams(ctx, dtype, rows, n)
@@ -351,8 +356,8 @@ def expert_matmul(ctx: NodeCtx) -> None:
         xrow = f"I64(row / {slots}) * {{K}}" if x.type.rank == 2 else "I64(row) * {K}"
         blocks = 0
         if w.type.dtype is DType.Q8_0:
-            buffers[1] = ("w", ctx.packed([w], "q8_0_split"), False)
-            blocks = math.prod(w.type.shape) // 32
+            packed, blocks = _split_q8_0(ctx, [w])
+            buffers[1] = ("w", packed, False)
         streams = rowwise_streams(ctx, w.type.dtype, 1, n)
         body = _rowwise_body(w.type.dtype, pairs, n, k, 1, f"out[I64(row) * {dim(n)} + n] = s",
                              f"I64(ids[r0]) * {dim(n)} + n", xrow, blocks, streams)

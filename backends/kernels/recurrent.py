@@ -57,6 +57,7 @@ class Reads:
     the fused op's conv output and raw gates (`prologue` then normalises q and k)."""
 
     buffers: tuple                   # (param, value, written) of the inputs, in order
+    key_heads: int
     q: Callable[[str], str]          # q at key index e (normalised, not yet scaled)
     k: Callable[[str], str]
     v: Callable[[str], str]          # v at value column c
@@ -70,7 +71,7 @@ def plain_reads(ctx: NodeCtx) -> Reads:
     _, hk, dk = q.type.shape
     hv, dv = v.type.shape[1:]
     qk = f"(I64(t) * {hk} + kh) * {dim(dk)} + "
-    return Reads((("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False)),
+    return Reads((("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False)), hk,
                  lambda e: f"q[{qk}{e}]", lambda e: f"k[{qk}{e}]", lambda c: f"v[(I64(t) * {hv} + h) * {dim(dv)} + {c}]",
                  f"expf(g[t * {hv} + h])", f"beta[t * {hv} + h]")
 
@@ -86,7 +87,7 @@ def fused_reads(ctx: NodeCtx) -> Reads:
                 f"qn += qa * qa; kn += ka * ka; }}\n"
                 f"    qn = 1.0f / sqrtf(qn + {eps});\n    kn = 1.0f / sqrtf(kn + {eps});\n")
     return Reads((("mixed", mixed, False), ("gate_a", a, False), ("gate_b", b, False), ("dt_bias", dt_bias, False),
-                  ("ssm_a", ssm_a, False)),
+                  ("ssm_a", ssm_a, False)), ctx.attr["key_heads"],
                  lambda e: f"mixed[{q_at}{e}] * qn", lambda e: f"mixed[{k_at}{e}] * kn",
                  lambda c: f"mixed[I64(t) * {channels} + {2 * kd} + h * {dv} + {c}]",
                  f"expf(softplus_f32(gate_a[t * {hv} + h] + dt_bias[h]) * ssm_a[h])",
@@ -106,7 +107,7 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
     o, new_state, *rows = ctx.outs
     t, hv, dv = o.type.shape
     dk = state.type.shape[1]
-    hk = ctx.attr["key_heads"] if ctx.node.op == "fused_gated_delta_rule" else ctx.ins[0].type.shape[1]
+    hk = reads.key_heads
     kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
     shape = (dim(t), dim(dk), dim(dv), hv)
     scale = f32(ctx.attr["scale"])

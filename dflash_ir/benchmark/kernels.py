@@ -75,8 +75,8 @@ def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int |
     family = "gemv" if rows <= 16 else "gemm"
     block = random_q8_0(rng, (n, k))
     weights = {f"w{c}": block if c == 0 else _variant(block, c) for c in range(copies)}
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    inputs = {"x" if c == 0 else f"x{c}": x for c in range(copies)}
+    xs = rng.standard_normal((rows, k)).astype(np.float32)
+    inputs = {"x" if c == 0 else f"x{c}": xs for c in range(copies)}
     return KernelCase(name, family, b.build(), weights, inputs,
                       nbytes=copies * (weight + 4 * rows * (k + n)), flops=2.0 * copies * rows * n * k)
 

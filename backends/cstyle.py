@@ -148,9 +148,17 @@ class Dialect:
 
     def module_header(self) -> str:
         """What every module starts with: the prelude and the helper functions."""
-        return f"{self.prelude()}{HELPERS}\n"
+        from .kir.build import FUNCTIONS
+        from .kir.c import PRINTERS
 
-    def kernel_source(self, k: Kernel) -> str:
+        return f"{self.prelude()}{HELPERS}\n" + PRINTERS[self.name].module_header(tuple(FUNCTIONS.values()))
+
+    def kernel_source(self, k) -> str:
+        from .kir.c import PRINTERS
+        from .kir.ir import Kernel as TreeKernel
+
+        if isinstance(k, TreeKernel):
+            return PRINTERS[self.name].kernel_source(k)
         return f"{self.signature(k)} {{\n{k.body.rstrip()}\n}}\n"
 
     def render(self, kernels) -> str:

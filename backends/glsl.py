@@ -87,6 +87,11 @@ _C_ONLY = re.compile(r"\b(GLOBAL|i8|u8|u16)\b")
 
 def render_glsl(kernel: Kernel, features: GLSLFeatures) -> str:
     """The compute shader of one kernel under `features` (see the module docstring)."""
+    from .kir import glsl as tree_glsl
+    from .kir.ir import Kernel as TreeKernel
+
+    if isinstance(kernel, TreeKernel):
+        return tree_glsl.render_glsl(kernel, tree_glsl.GLSLFeatures(**vars(features)))
     body, shared = _hoist_shared(kernel)
     names = {b.name: _glsl_name(b.name) for b in kernel.buffers}
     body = _rename_keywords(body)

@@ -29,9 +29,15 @@ from dflash_ir.ir import Graph, Node, Value
 from dflash_ir.ops.registry import get_op
 from dflash_ir.types import TensorType
 
-from .cstyle import Buffer, Kernel
+from .cstyle import Buffer as TextBuffer, Kernel as TextKernel
+from .kir import K, KernelBuilder, const, var
+from .kir.build import Buffer
+from .kir.size import size_expr
 from .plan import Check, Launch, Plan, Step, compile_expr, packed_type, symbol_param
 
+# the element type a value's buffer holds in kernels
+ELEMENT = {DType.F32: "f32", DType.F16: "u16", DType.BF16: "u16", DType.Q8_0: "u8", DType.I32: "i32",
+           DType.I64: "i64", DType.BOOL: "u8"}
 CTYPES = {DType.F32: "float", DType.F16: "u16", DType.BF16: "u16", DType.Q8_0: "u8", DType.I32: "int",
           DType.I64: "i64", DType.BOOL: "u8"}
 
@@ -124,9 +130,10 @@ class NodeCtxBase:
     def is_input(self, v: Value) -> bool:
         return v.name in self._l.input_names
 
-    def check(self, kind: str, v: Value, *, size: str = "0", rows: str = "0", flags: tuple[str, ...] = ()) -> None:
-        """Validate a graph input on the host before launching (only inputs can be seen there)."""
-        check = Check(kind, v.name, size, rows, flags)
+    def check(self, kind: str, v: Value, *, size=0, rows=0, flags: tuple[str, ...] = ()) -> None:
+        """Validate a graph input on the host before launching (only inputs can be seen there);
+        sizes are kernel-tree expressions or plan text."""
+        check = Check(kind, v.name, size_expr(size), size_expr(rows), flags)
         if self.is_input(v) and check not in self._l.plan.checks:
             self._l.plan.checks.append(check)
 
@@ -153,8 +160,40 @@ def attention_epilogue(ctx: NodeCtxBase, o: Value) -> None:
         ctx.alias(ctx.outs[0], flat)
 
 
+class KernelSpec(KernelBuilder):
+    """The kernel one node launches: a KernelBuilder whose buffers are bound to graph values
+    (`bind`) and whose `launch` adds it to the plan with its grid."""
+
+    def __init__(self, ctx: "NodeCtx", op: str, local: Sequence[int]):
+        super().__init__(op, local)
+        self.ctx = ctx
+        self.bound: list[str] = []
+
+    def bind(self, name: str, value: Value, writes: bool = False) -> Buffer:
+        self.bound.append(value.name)
+        return self.buffer(name, ELEMENT[value.type.dtype], writes)
+
+    def launch(self, groups: Sequence, when=None) -> None:
+        """Add the launch: `groups` work-groups per dimension, and `when` the condition on
+        the sizes under which this variant runs (kernel-tree expressions or ints)."""
+        lowering = self.ctx._l
+        kernel = self.build(lowering.symbol_params)
+        lowering.plan.kernels.setdefault(kernel.name, kernel)
+        groups = tuple(size_expr(g) for g in groups) + ("1",) * (3 - len(groups))
+        self.ctx.launches.append(Launch(kernel.name, tuple(self.bound), kernel.ints, groups, kernel.local,
+                                        None if when is None else size_expr(when)))
+
+
+def dim(d) -> K:
+    """A dim as a kernel-tree int: its value, or the symbol's int parameter."""
+    return const(d) if isinstance(d, int) else var(symbol_param(d))
+
+
 class NodeCtx(NodeCtxBase):
-    """Builders of C-style kernels (backends/kernels/*.py, registered with `lowers`)."""
+    """Builders of kernels (backends/kernels/*.py, registered with `lowers`)."""
+
+    def kernel(self, op: str, local: Sequence[int] = (256,)) -> KernelSpec:
+        return KernelSpec(self, op, local)
 
     @classmethod
     def builders(cls) -> dict[str, Callable]:
@@ -168,8 +207,8 @@ class NodeCtx(NodeCtxBase):
         local = tuple(local) + (1,) * (3 - len(local))
         groups = tuple(_fold(g) for g in groups) + ("1",) * (3 - len(tuple(groups)))
         ints = tuple(p for p in self._l.symbol_params if re.search(rf"\b{p}\b", body))
-        params = tuple(Buffer(name, CTYPES[v.type.dtype], writes) for name, v, writes in buffers)
-        kernel = Kernel.make(op, params, ints, local, body)
+        params = tuple(TextBuffer(name, CTYPES[v.type.dtype], writes) for name, v, writes in buffers)
+        kernel = TextKernel.make(op, params, ints, local, body)
         self._l.plan.kernels.setdefault(kernel.name, kernel)
         self.launches.append(Launch(kernel.name, tuple(v.name for _, v, _ in buffers), ints, groups, local, when))
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from .dtypes import DType
 from .ir import Graph, Node, State, Value, freeze_attr
@@ -79,10 +79,10 @@ def V(name: str | None = None, *, dtype: DType | Iterable[DType] | None = None, 
     return Pat(name=name, dtypes=_dtypes(dtype), kind=kind, one_use=one_use)
 
 
-def _dtypes(dtype) -> frozenset[DType] | None:
+def _dtypes(dtype) -> frozenset | None:
     if dtype is None:
         return None
-    return frozenset([dtype] if isinstance(dtype, DType) else dtype)
+    return frozenset(dtype) if isinstance(dtype, (list, tuple, set, frozenset)) else frozenset([dtype])
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,22 @@ class _Work:
             self.users.setdefault(i, set()).add(nid)
         self.keys.setdefault(_key(node), nid)
 
+    # -- MatchView ------------------------------------------------------------------------
+    def kind_of(self, name: str) -> str | None:
+        return self.kind.get(name)
+
+    def dtype_of(self, name: str) -> DType:
+        return self.values[name].type.dtype
+
+    def single_use(self, name: str) -> bool:
+        return len(self.users.get(name, ())) == 1 and not self.external(name)
+
+    def producer_of(self, name: str) -> tuple[str, tuple, Mapping[str, Any], int] | None:
+        if name not in self.producer:
+            return None
+        node = self.nodes[self.producer[name]]
+        return node.op, node.inputs, node.attr, next(i for i, v in enumerate(node.outputs) if v.name == name)
+
     def external(self, name: str) -> int:
         return int(any(v == name for _, v in self.outputs) or name in self.updates.values())
 
@@ -306,31 +322,42 @@ class _Work:
 
 
 # -- matching -----------------------------------------------------------------------------
-def _match(work: _Work, pat: Pat, value: str, caps: dict[str, str]) -> Iterator[dict[str, str]]:
+class MatchView(Protocol):
+    """What the matcher asks of the structure it matches in (a graph here; kernel trees in
+    backends/kir/simplify.py): values are opaque handles."""
+
+    def kind_of(self, value) -> str | None: ...
+    def dtype_of(self, value) -> Any: ...
+    def single_use(self, value) -> bool: ...
+    def producer_of(self, value) -> tuple[str, tuple, Mapping[str, Any], int] | None:
+        """(op, inputs, attrs, which output `value` is) of the node computing it, or None."""
+
+
+def match(view: MatchView, pat: Pat, value, caps: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Every way `value` matches `pat` given the captures so far (a generator: backtracking)."""
+    caps = dict(caps or {})
     if pat.alternatives:
         for alt in pat.alternatives:
-            yield from _match(work, alt, value, caps)
+            yield from match(view, alt, value, caps)
         return
-    if pat.name is not None and caps.get(pat.name, value) != value:
+    if pat.name is not None and pat.name in caps and caps[pat.name] != value:
         return
-    if pat.kind is not None and work.kind.get(value) != pat.kind:
+    if pat.kind is not None and view.kind_of(value) != pat.kind:
         return
-    v = work.values[value]
-    if pat.dtypes is not None and v.type.dtype not in pat.dtypes:
+    if pat.dtypes is not None and view.dtype_of(value) not in pat.dtypes:
         return
-    if pat.one_use and (len(work.users.get(value, ())) != 1 or work.external(value)):
+    if pat.one_use and not view.single_use(value):
         return
     caps = {**caps, pat.name: value} if pat.name is not None else caps
     if pat.ops is None:
         yield caps
         return
-    node = work.nodes[work.producer[value]]
-    if node.op not in pat.ops:
+    made = view.producer_of(value)
+    if made is None:
         return
-    if pat.output is not None and (pat.output >= len(node.outputs) or node.outputs[pat.output].name != value):
+    op, inputs, attrs, index = made
+    if op not in pat.ops or (pat.output is not None and pat.output != index):
         return
-    attrs = node.attr
     for key, want in pat.attrs:
         have = attrs.get(key)
         if not (want(have) if callable(want) else have == freeze_attr(want)):
@@ -338,21 +365,21 @@ def _match(work: _Work, pat: Pat, value: str, caps: dict[str, str]) -> Iterator[
     if pat.inputs is None:
         yield caps
         return
-    if len(pat.inputs) != len(node.inputs):
+    if len(pat.inputs) != len(inputs):
         return
-    orders = [node.inputs]
-    if pat.commutative and len(node.inputs) == 2:
-        orders.append(node.inputs[::-1])
+    orders = [tuple(inputs)]
+    if pat.commutative and len(inputs) == 2:
+        orders.append(tuple(inputs)[::-1])
     for names in orders:
-        yield from _match_all(work, pat.inputs, names, caps)
+        yield from _match_all(view, pat.inputs, names, caps)
 
 
-def _match_all(work: _Work, pats, names, caps) -> Iterator[dict[str, str]]:
+def _match_all(view: MatchView, pats, values, caps) -> Iterator[dict[str, Any]]:
     if not pats:
         yield caps
         return
-    for c in _match(work, pats[0], names[0], caps):
-        yield from _match_all(work, pats[1:], names[1:], c)
+    for c in match(view, pats[0], values[0], caps):
+        yield from _match_all(view, pats[1:], values[1:], c)
 
 
 def _root_ops(rules: list[Rule]) -> dict[str | None, list[Rule]]:
@@ -367,7 +394,7 @@ def _root_ops(rules: list[Rule]) -> dict[str | None, list[Rule]]:
 def _apply(work: _Work, rule: Rule, nid: int) -> bool:
     node = work.nodes[nid]
     for out in node.outputs:
-        for caps in _match(work, rule.pattern, out.name, {}):
+        for caps in match(work, rule.pattern, out.name):
             emit = Emitter(work, out.name, work.order[nid] - 1)
             result = rule.fn(Match(work, node, out, caps), emit)
             if result is not None and _substitute(work, rule, out, result, emit):

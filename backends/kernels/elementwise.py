@@ -1,48 +1,62 @@
-"""Elementwise ops: one generated kernel family, one thread per output element, with numpy
-broadcasting resolved at compile time into index expressions."""
+"""Elementwise ops: one thread per output element, numpy broadcasting resolved at compile
+time into index expressions."""
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 
+from ..kir import F32, I32, call, call_function, cast
 from ..lowering import NodeCtx, lowers
-from .common import broadcast_index, f32, flat_launch, read, write
+from .access import SIGMOID, SOFTPLUS, read, write
+from .shapes import broadcast_index, flat_launch
 
-_BINARY = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
-           "swiglu": "a * sigmoid_f32(a) * b", "sigmoid_gate": "a * sigmoid_f32(b)"}
-_UNARY = {"neg": "-a", "exp": "expf(a)", "sigmoid": "sigmoid_f32(a)", "silu": "a * sigmoid_f32(a)",
-          "softplus": "softplus_f32(a)"}
-
+_BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+           "div": lambda a, b: a / b, "swiglu": lambda a, b: a * call_function(SIGMOID, a) * b,
+           "sigmoid_gate": lambda a, b: a * call_function(SIGMOID, b)}
+_UNARY = {"neg": lambda a: -a, "exp": lambda a: call("exp", a), "sigmoid": lambda a: call_function(SIGMOID, a),
+          "silu": lambda a: a * call_function(SIGMOID, a), "softplus": lambda a: call_function(SOFTPLUS, a)}
 
 
 @lowers(*_BINARY)
 def binary(ctx: NodeCtx) -> None:
     a, b = ctx.ins
     shape = ctx.outs[0].type.shape
-    ctype = "int" if a.type.dtype is DType.I32 else "float"
-    flat_launch(ctx, f"  {ctype} a = x0[{broadcast_index('i', shape, a.type.shape)}], "
-               f"b = x1[{broadcast_index('i', shape, b.type.shape)}];\n  out[i] = {_BINARY[ctx.node.op]};\n")
+    fn = _BINARY[ctx.node.op]
+
+    def compute(kb, i, xs, out):
+        out[i] = fn(xs[0][broadcast_index(i, shape, a.type.shape)], xs[1][broadcast_index(i, shape, b.type.shape)])
+    flat_launch(ctx, compute)
 
 
 @lowers(*_UNARY)
 def unary(ctx: NodeCtx) -> None:
-    flat_launch(ctx, f"  float a = x0[i];\n  out[i] = {_UNARY[ctx.node.op]};\n")
+    fn = _UNARY[ctx.node.op]
+
+    def compute(kb, i, xs, out):
+        out[i] = fn(xs[0][i])
+    flat_launch(ctx, compute)
 
 
 @lowers("scale")
 def scale(ctx: NodeCtx) -> None:
-    flat_launch(ctx, f"  out[i] = x0[i] * {f32(ctx.attr['factor'])};\n")
+    factor = float(ctx.attr["factor"])
 
-
-_CASTS = {
-    (DType.F32, DType.F16): "STORE_HALF(out, i, x0[i]);",
-    (DType.F16, DType.F32): "out[i] = HALF_AT(x0, i);",
-    (DType.F32, DType.I32): "out[i] = I32(x0[i]);",
-    (DType.I32, DType.F32): "out[i] = F32(x0[i]);",
-}
+    def compute(kb, i, xs, out):
+        out[i] = xs[0][i] * factor
+    flat_launch(ctx, compute)
 
 
 @lowers("cast")
-def cast(ctx: NodeCtx) -> None:
-    x, out = ctx.ins[0], ctx.outs[0]
-    same = write(out, "out", "i", read(x, "x0", "i"))
-    flat_launch(ctx, f"  {_CASTS.get((x.type.dtype, out.type.dtype), same)}\n")
+def cast_(ctx: NodeCtx) -> None:
+    x, out_value = ctx.ins[0], ctx.outs[0]
+    kinds = (x.type.dtype, out_value.type.dtype)
+
+    def compute(kb, i, xs, out):
+        if kinds == (DType.F32, DType.F16):
+            out.store(i, xs[0][i], "f16")
+        elif kinds == (DType.F16, DType.F32):
+            out[i] = xs[0].load(i, "f16")
+        elif kinds in ((DType.F32, DType.I32), (DType.I32, DType.F32)):
+            out[i] = cast(I32 if kinds[1] is DType.I32 else F32, xs[0][i])
+        else:
+            write(out_value, out, i, read(x, xs[0], i))
+    flat_launch(ctx, compute)

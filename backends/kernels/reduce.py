@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 
-from ..lowering import NodeCtx, lowers
+from ..kir import F32, I64, call as kcall, cast as kcast, const as kconst
+from ..lowering import NodeCtx, dim as kdim, lowers
+from . import access
+from .shapes import prod as kprod
 from .common import FLAT, cdiv, dim, f32, flat_launch, group_reduce, pow2_threads, prod, weight_at
 
 
@@ -14,25 +17,27 @@ def _row_threads(n) -> int:
 
 
 def _norm(ctx: NodeCtx, mean: bool) -> None:
-    x = ctx.ins[0]
-    n = x.type.shape[-1]
-    L = _row_threads(n)
-    N = dim(n)
-    sumsq = f"red[0] / {N}" if mean else "red[0]"
-    weight = ""
-    buffers = [("x", x, False)]
-    if len(ctx.ins) > 1:
-        w = ctx.ins[1]
-        weight = f" * {weight_at(w.type.dtype, 'w', '0', 'k', n)}"
-        buffers.append(("w", w, False))
-    body = (f"  int row = GID(0), lid = LID(0);\n  i64 xr = I64(row) * {N};\n"
-            f"  LOCAL float red[{L}];\n  float acc = 0.0f;\n"
-            f"  for (int k = lid; k < {N}; k += {L}) acc += x[xr + k] * x[xr + k];\n  red[lid] = acc;\n"
-            + group_reduce("red", L, "sum") +
-            f"  float r = 1.0f / sqrtf({sumsq} + {f32(ctx.attr['eps'])});\n"
-            f"  for (int k = lid; k < {N}; k += {L}) out[xr + k] = x[xr + k] * r{weight};\n")
-    ctx.launch(ctx.node.op, body, buffers=buffers + [("out", ctx.outs[0], True)],
-               groups=[prod(x.type.shape[:-1])], local=(L,))
+    x_value = ctx.ins[0]
+    n = x_value.type.shape[-1]
+    L, N = _row_threads(n), kdim(n)
+    kb = ctx.kernel(ctx.node.op, local=(L,))
+    x = kb.bind("x", x_value)
+    w_value = ctx.ins[1] if len(ctx.ins) > 1 else None
+    w = kb.bind("w", w_value) if w_value else None
+    out = kb.bind("out", ctx.outs[0], writes=True)
+    row, lid = kb.let("row", kb.gid(0)), kb.let("lid", kb.lid(0))
+    xr = kb.let("xr", kcast(I64, row) * N)
+    red = kb.array("red", F32, L, "local")
+    acc = kb.let("acc", 0.0)
+    with kb.loop("k", lid, N, L) as k:
+        kb.set(acc, acc + x[xr + k] * x[xr + k])
+    red[lid] = acc
+    kb.wg_reduce(red, L, "sum")
+    r = kb.let("r", 1.0 / kcall("sqrt", (red[0] / N if mean else red[0]) + float(ctx.attr["eps"])))
+    with kb.loop("k", lid, N, L) as k:
+        value = x[xr + k] * r
+        out[xr + k] = value * access.weight_at(w_value.type.dtype, w, kconst(0), k, n) if w else value
+    kb.launch([kprod(x_value.type.shape[:-1])])
 
 
 @lowers("rmsnorm")

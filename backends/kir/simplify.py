@@ -1,0 +1,169 @@
+"""Algebraic simplification of kernel trees, written as rules in the graph rewrite engine's
+pattern language (dflash_ir/rewrite.py) and matched by its matcher over a tree view.
+
+Builders write sizes generically (`row * K + c` with K a constant or a symbol size), so
+constant folding and the integer identities below make the printed kernels read like
+hand-written ones. Float identities are only those exact in IEEE arithmetic (x * 1,
+x / 1, x + 0 is not: -0 + 0 = +0), so simplification never changes a result.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from dflash_ir.rewrite import P, Rule, V, match
+
+from .ir import BOOL, K, transform
+
+_INT_OPS = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "div": lambda a, b: int(a / b) if b else None, "mod": lambda a, b: a - b * int(a / b) if b else None,
+    "shl": lambda a, b: a << b, "shr": lambda a, b: a >> b, "and": lambda a, b: a & b,
+    "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b, "min": min, "max": max,
+}
+_CMP = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+        "ne": np.not_equal}
+_F32_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+_INT_LIMITS = {"i32": (-2 ** 31, 2 ** 31 - 1), "u32": (0, 2 ** 32 - 1), "i64": (-2 ** 63, 2 ** 63 - 1)}
+
+
+class _TreeView:
+    """The matcher's view of a kernel tree: a value is a node, computed by itself."""
+
+    @staticmethod
+    def kind_of(node: K) -> str:
+        return "node"
+
+    @staticmethod
+    def dtype_of(node: K):
+        return node.dtype
+
+    @staticmethod
+    def single_use(node: K) -> bool:
+        return True
+
+    @staticmethod
+    def producer_of(node: K) -> tuple[str, tuple, Mapping[str, Any], int]:
+        return node.op, node.src, {"arg": node.arg}, 0
+
+
+def _const(value, like: K) -> K:
+    return K("const", like.dtype, (), value)
+
+
+def _fold(m, emit=None) -> K | None:
+    """Two constants: the value C computes (f32 arithmetic rounded as f32, integer results
+    kept only when in range)."""
+    node = m.value
+    a, b = (s.arg for s in node.src)
+    op, kind = node.op, node.src[0].dtype.scalar
+    with np.errstate(all="ignore"):
+        if op in _CMP:
+            return K("const", BOOL, (), bool(_CMP[op](a, b)))
+        if kind == "f32" and op in _F32_OPS:
+            return _const(float(_F32_OPS[op](np.float32(a), np.float32(b))), node)
+    if kind in _INT_LIMITS and op in _INT_OPS:
+        value = _INT_OPS[op](a, b)
+        lo, hi = _INT_LIMITS[kind]
+        return None if value is None or not lo <= value <= hi else _const(value, node)
+    return None
+
+
+def _cast_const(m, emit=None) -> K | None:
+    node, (x,) = m.value, m.value.src
+    if node.dtype.lanes != 1 or x.dtype.lanes != 1:
+        return None
+    s = node.dtype.scalar
+    if s == "f32":
+        return _const(float(np.float32(x.arg)), node)
+    if s in _INT_LIMITS and isinstance(x.arg, (bool, int)):
+        lo, hi = _INT_LIMITS[s]
+        return _const(int(x.arg), node) if lo <= int(x.arg) <= hi else None
+    return None
+
+
+def _c(value) -> P:
+    return P("const", attrs={"arg": lambda v: v == value and not isinstance(v, bool)})
+
+
+_INT = ("i32", "u32", "i64")
+
+
+def _is_int(m, name: str) -> bool:
+    return m[name].dtype.scalar in _INT
+
+
+def _keep(name: str, need_int: bool = False):
+    def fn(m, emit=None):
+        return m[name] if not need_int or _is_int(m, name) else None
+    return fn
+
+
+def _zero(m, emit=None):
+    return _const(0, m.value) if _is_int(m, "x") else None
+
+
+def _reassociate(m, emit=None):
+    """(x op c1) op c2 -> x op (c1 op c2) for integer add and mul."""
+    node, inner = m.value, m["inner"]
+    if not _is_int(m, "x"):
+        return None
+    c = _fold(_Match(K(node.op, node.dtype, (m["c1"], m["c2"]))))
+    return None if c is None else K(node.op, node.dtype, (m["x"], c))
+
+
+def _select_const(m, emit=None):
+    cond, a, b = m.value.src
+    return a if cond.arg else b
+
+
+_CONST = P("const")
+RULES = [
+    Rule("fold", P(tuple(_INT_OPS) + tuple(_CMP), _CONST, _CONST), _fold),
+    Rule("cast_const", P("cast", _CONST), _cast_const),
+    Rule("add_zero", P("add", V("x"), _c(0), commutative=True), _keep("x", need_int=True)),
+    Rule("sub_zero", P("sub", V("x"), _c(0)), _keep("x", need_int=True)),
+    Rule("mul_one", P("mul", V("x"), _c(1), commutative=True), _keep("x")),
+    Rule("mul_zero", P("mul", V("x"), _c(0), commutative=True), _zero),
+    Rule("div_one", P("div", V("x"), _c(1)), _keep("x")),
+    Rule("mod_one", P("mod", V("x"), _c(1)), _zero),
+    Rule("min_same", P(("min", "max"), V("x"), V("x")), _keep("x", need_int=True)),
+    Rule("reassociate", P(("add", "mul"), P(("add", "mul"), V("x"), P("const", name="c1"), name="inner"),
+                          P("const", name="c2")),
+         lambda m, e=None: _reassociate(m) if m["inner"].op == m.value.op else None),
+    Rule("select_const", P("select", P("const", dtype=BOOL), V(), V()), _select_const),
+]
+_BY_OP: dict[str, list[Rule]] = {}
+for _rule in RULES:
+    for _op in _rule.pattern.ops:
+        _BY_OP.setdefault(_op, []).append(_rule)
+
+
+class _Match:
+    """What a rule function reads: the matched node and its captures."""
+
+    def __init__(self, value: K, caps: Mapping[str, K] | None = None):
+        self.value, self._caps = value, dict(caps or {})
+
+    def __getitem__(self, name: str) -> K:
+        return self._caps[name]
+
+
+def _rewrite_node(node: K) -> K | None:
+    changed, out = False, node
+    for _ in range(16):  # each rule makes the tree smaller: a few steps settle it
+        for rule in _BY_OP.get(out.op, ()):
+            result = next((r for caps in match(_TreeView, rule.pattern, out)
+                           if (r := rule.fn(_Match(out, caps))) is not None), None)
+            if result is not None and result != out:
+                out, changed = (transform(result, _rewrite_node) if result.src else result), True
+                break
+        else:
+            break
+    return out if changed else None
+
+
+def simplify(tree: K) -> K:
+    return transform(tree, _rewrite_node)
+

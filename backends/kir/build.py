@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .ir import BINARY, BOOL, BUFFER_TYPES, COMPARE, F32, I32, I64, MATH, U32, VIEW_VALUE, VOID, DT, Function, K, \
     Kernel, Param, walk
@@ -107,7 +107,8 @@ def call(name: str, *args: Operand) -> K:
     if MATH.get(name) != len(args):
         raise ValueError(f"{name} is not a math intrinsic of {len(args)} arguments")
     xs = [cast(F32, lift(x, F32)) for x in args]
-    return K("call", F32.vec(_lanes(*xs)), tuple(xs), name)
+    lanes = _lanes(*xs)
+    return K("call", F32.vec(lanes), tuple(cast(F32.vec(lanes), x) for x in xs), name)
 
 
 def dot4_i8(a: Operand, b: Operand, acc: Operand) -> K:
@@ -174,6 +175,10 @@ class Array:
 
     def __setitem__(self, i: Operand, value: Operand) -> None:
         self.kb.set(self[i], value)
+
+    def vec(self, i: Operand, lanes: int) -> K:
+        """Elements i .. i + lanes - 1 of a scalar array as one vector (read or assigned)."""
+        return K("index", self.dtype.vec(lanes), (lift(i, I32),), self.name)
 
 
 class KernelBuilder:
@@ -251,13 +256,15 @@ class KernelBuilder:
 
     @contextlib.contextmanager
     def loop(self, name: str, start: Operand, stop: Operand | None = None, step: Operand = 1, *,
-             cond: K | None = None, next: K | None = None):
-        """for (int name = start; name < stop [&& cond]; name = next or name + step)"""
+             cond: K | Callable[[K], K] | None = None, next: K | Callable[[K], K] | None = None):
+        """for (int name = start; name < stop && cond; name = next or name + step); cond and
+        next are expressions, or functions of the loop variable."""
         i = var(name)
-        test = None if stop is None else i < stop
-        test = cond if test is None else test if cond is None else test & cond
-        if test is None:
+        cond, next = (f(i) if callable(f) else f for f in (cond, next))
+        tests = ([] if stop is None else [i < stop]) + ([] if cond is None else [cond])
+        if not tests:
             raise ValueError(f"loop {name!r} needs a stop or a condition")
+        test = tests[0] if len(tests) == 1 else tests[0] & tests[1]
         with self._nested():
             yield i
         self.emit(K("for", VOID, (lift(start, I32), test, i + step if next is None else next, self._body), name))

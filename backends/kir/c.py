@@ -150,9 +150,21 @@ static inline float round_f16(float v) {
         return ("fmin" if op == "min" else "fmax") if t.is_float else op
 
     def cast(self, t: DT, x: K) -> tuple[str, int]:
+        if t.lanes > 1 and x.dtype.lanes == 1:
+            return f"({self.type_name(t)})({self.expr(x)})", 16
+        if t.lanes > 1 and x.op == "load" and x.arg[1] == "i8":  # bytes straight to floats
+            p = self.params[x.arg[0]]
+            n = t.lanes
+            return f"convert_{self.type_name(t)}(as_char{n}(vload{n}(0, {p.name} + ({self.expr(x.src[0])}))))", 16
         if t.lanes > 1:
             return f"convert_{self.type_name(t)}({self.expr(x)})", 16
         return super().cast(t, x)
+
+    def array_run(self, name: str, index: str, lanes: int) -> str:
+        return f"vload{lanes}(0, {name} + ({index}))"
+
+    def array_run_store(self, name: str, index: str, value: str, lanes: int) -> str:
+        return f"vstore{lanes}({value}, 0, {name} + ({index}))"
 
     def bitcast(self, t: DT, x: str, src: DT) -> str:
         return f"as_{self.type_name(t)}({x})"

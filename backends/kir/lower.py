@@ -109,7 +109,9 @@ class _Scalarizer:
             return K("index", base, (lift_int(lane),), x.arg)
         if x.op == "index":
             (i,) = x.src
-            return K("index", base, (self.scalar(i) * x.dtype.lanes + lane,), x.arg)
+            if x.arg in self.vectors:  # an element of an array of vectors
+                return K("index", base, (self.scalar(i) * x.dtype.lanes + lane,), x.arg)
+            return K("index", base, (self.scalar(i) + lane,), x.arg)  # a run of a scalar array
         if x.op == "load":
             return K("load", base, (self.scalar(x.src[0]) + lane,), x.arg)
         return K(x.op, base, tuple(self.lane(s, lane) for s in x.src), x.arg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import DT, K, Function, Kernel, Param
+from .ir import DT, K, Function, Kernel, Param, walk
 
 PRECEDENCE = {"lor": 4, "land": 5, "or": 6, "xor": 7, "and": 8, "eq": 9, "ne": 9, "lt": 10, "le": 10, "gt": 10,
               "ge": 10, "shl": 11, "shr": 11, "add": 12, "sub": 12, "mul": 13, "div": 13, "mod": 13}
@@ -23,6 +23,7 @@ class Printer:
     def __init__(self, kernel: Kernel | None = None):
         self.kernel = kernel
         self.params: dict[str, Param] = {p.name: p for p in kernel.params} if kernel else {}
+        self.arrays: dict[str, DT] = {n.arg[0]: n.dtype for n in walk(kernel.body) if n.op == "array"} if kernel else {}
 
     # -- target vocabulary (subclasses) -----------------------------------------------------
     def type_name(self, t: DT) -> str:
@@ -59,6 +60,12 @@ class Printer:
     def minmax(self, op: str, t: DT) -> str:
         raise NotImplementedError
 
+    def array_run(self, name: str, index: str, lanes: int) -> str:
+        raise NotImplementedError(f"{type(self).__name__} has no vector view of an array: scalarize first")
+
+    def array_run_store(self, name: str, index: str, value: str, lanes: int) -> str:
+        raise NotImplementedError(f"{type(self).__name__} has no vector view of an array: scalarize first")
+
     def vsum(self, x: str, t: DT) -> str:
         raise NotImplementedError(f"{type(self).__name__} has no vector sum: scalarize first")
 
@@ -91,6 +98,8 @@ class Printer:
             buffer, view = n.arg
             return self.load(self.params[buffer], view, self.expr(n.src[0]), n.dtype.lanes), _PRIMARY
         if op == "index":
+            if n.dtype.lanes > self.arrays.get(n.arg, n.dtype).lanes:
+                return self.array_run(self.ident(n.arg), self.expr(n.src[0]), n.dtype.lanes), _PRIMARY
             return f"{self.ident(n.arg)}[{self.index(n.src[0])}]", _PRIMARY
         if op in ("min", "max"):
             a, b = n.src
@@ -176,6 +185,9 @@ class Printer:
         raise ValueError(f"{type(self).__name__}: {op} is not a statement")
 
     def assignment(self, target: K, value: K) -> str:
+        if target.op == "index" and target.dtype.lanes > self.arrays.get(target.arg, target.dtype).lanes:
+            return self.array_run_store(self.ident(target.arg), self.expr(target.src[0]), self.expr(value),
+                                        target.dtype.lanes)
         t = self.expr(target)
         if value.op in ("add", "sub", "mul") and value.src[0] == target and value.dtype.lanes == target.dtype.lanes:
             return f"{t} {SYMBOL[value.op]}= {self._wrap(value.src[1], 0)}"

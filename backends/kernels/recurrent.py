@@ -7,18 +7,41 @@ from typing import Callable
 
 from dflash_ir.ir import Value
 
-from ..lowering import NodeCtx, lowers
-from .common import FLAT, cdiv, dim, f32, pow2_threads, weight_at
+from ..kir import F32, I64, K, call, call_function, cast, minimum, select
+from ..kir.build import Buffer
+from ..lowering import KernelSpec, NodeCtx, dim, lowers
+from .access import SIGMOID, SOFTPLUS, weight_at
+from .shapes import FLAT, cdiv, pow2_threads
 
 
-def _old_state(ctx: NodeCtx, state: Value, new_state: Value, allowed: bool = True) -> tuple[str, list]:
-    """(the kernel's name for the old state, its buffer entries). Where allowed and nothing
-    else reads the old state, the new state is written over it: the kernel then reads the
-    old values through `new_state` and takes no `state` buffer."""
-    if allowed and ctx.can_overwrite(state):
+@dataclass(frozen=True)
+class StateBuffers:
+    """The buffers a recurrence kernel binds after its inputs: `old` where it reads the old
+    state (the `state` input, or `new` itself when the update overwrites it), `out` its
+    output, `new` the new state, and `rows` the state after every row when the node emits it."""
+
+    old: Buffer
+    out: Buffer
+    new: Buffer
+    rows: Buffer | None
+
+    @property
+    def in_place(self) -> bool:
+        return self.old is self.new
+
+
+def _bind_states(ctx: NodeCtx, kb: KernelSpec, state: Value, out_name: str, allowed: bool = True) -> StateBuffers:
+    """Where allowed and nothing else reads the old state, the new state is written over it:
+    the kernel then reads the old values through `new_state` and takes no `state` buffer."""
+    out, new_state, *rows = ctx.outs
+    in_place = allowed and ctx.can_overwrite(state)
+    if in_place:
         ctx.alias(new_state, state)
-        return "new_state", []
-    return "state", [("state", state, False)]
+    old = None if in_place else kb.bind("state", state)
+    result = kb.bind(out_name, out, writes=True)
+    new = kb.bind("new_state", new_state, writes=True)
+    row_states = kb.bind("row_states", rows[0], writes=True) if rows else None
+    return StateBuffers(new if in_place else old, result, new, row_states)
 
 
 @lowers("causal_conv1d")
@@ -27,71 +50,134 @@ def causal_conv1d(ctx: NodeCtx) -> None:
     also writes the new state (= the window after that row). A single row (decode) whose old
     state nothing else reads shifts the window in place: each thread reads its channel's
     state cells before it overwrites them."""
-    x, w, state = ctx.ins
-    y, new_state, *rows = ctx.outs
-    t, c = x.type.shape
-    width = w.type.shape[1]
+    x_value, w_value, state = ctx.ins
+    t, c = x_value.type.shape
+    width = w_value.type.shape[1]
     T, C, K1 = dim(t), dim(c), width - 1
-    source, state_buffers = _old_state(ctx, state, new_state, allowed=t == 1)
-    at = f"(r < {K1} ? {source}[r * {C} + ch] : x[I64(r - {K1}) * {C} + ch])"
-    emit = f"      row_states[(I64(row) * {K1} + e) * {C} + ch] = v;\n" if rows else ""
-    activated = "acc * sigmoid_f32(acc)" if ctx.attr.get("activation", "none") == "silu" else "acc"
-    body = (f"  int i = GID(0) * {FLAT} + LID(0);\n  if (i >= {T} * {C}) return;\n"
-            f"  int row = i / {C}, ch = i % {C};\n  float acc = 0.0f;\n"
-            f"  for (int j = 0; j < {width}; ++j) {{\n    int r = row + j;\n"
-            f"    acc += {at} * {weight_at(w.type.dtype, 'w', 'ch', 'j', width)};\n  }}\n  y[i] = {activated};\n"
-            f"  for (int e = 0; e < {K1}; ++e) {{\n    int r = row + 1 + e;\n    float v = {at};\n{emit}"
-            f"    if (row == {T} - 1) new_state[e * {C} + ch] = v;\n  }}\n")
-    buffers = [("x", x, False), ("w", w, False), *state_buffers, ("y", y, True), ("new_state", new_state, True)]
-    ctx.launch("causal_conv1d", body, buffers=buffers + [("row_states", r, True) for r in rows],
-               groups=[cdiv(f"{T} * {C}", FLAT)])
+    kb = ctx.kernel("causal_conv1d", local=(FLAT,))
+    x, w = kb.bind("x", x_value), kb.bind("w", w_value)
+    states = _bind_states(ctx, kb, state, "y", allowed=t == 1)
+    i = kb.let("i", kb.gid(0) * FLAT + kb.lid(0))
+    kb.return_if(i >= T * C)
+    row, ch = kb.let("row", i / C), kb.let("ch", i % C)
+
+    def xx(r: K) -> K:
+        return select(r < K1, states.old[r * C + ch], x[cast(I64, r - K1) * C + ch])
+
+    acc = kb.let("acc", 0.0)
+    with kb.loop("j", 0, width) as j:
+        r = kb.let("r", row + j)
+        kb.set(acc, acc + xx(r) * weight_at(w_value.type.dtype, w, ch, j, width))
+    states.out[i] = acc * call_function(SIGMOID, acc) if ctx.attr.get("activation", "none") == "silu" else acc
+    with kb.loop("e", 0, K1) as e:
+        r = kb.let("r", row + 1 + e)
+        v = kb.let("v", xx(r))
+        if states.rows is not None:
+            states.rows[(cast(I64, row) * K1 + e) * C + ch] = v
+        with kb.if_(row.eq(T - 1)):
+            states.new[e * C + ch] = v
+    kb.launch([cdiv(T * C, FLAT)])
 
 
 CPU_COLS = 8  # CPU schedule: state columns per work-item
 
 
 @dataclass(frozen=True)
+class Token:
+    """Token t's inputs to v head h (k head kh), as expressions."""
+
+    q: Callable[[K], K]              # q at key index e (normalised, not yet scaled)
+    k: Callable[[K], K]
+    v: Callable[[K], K]              # v at value column c
+    decay: K                         # e^g
+    beta: K
+
+
+@dataclass(frozen=True)
 class Reads:
-    """Where a gated delta rule kernel finds token t's inputs, as expressions in the loop
-    variables t, h (v head) and kh (its k head): the plain op's q, k, v, g, β buffers, or
-    the fused op's conv output and raw gates (`prologue` then normalises q and k)."""
+    """Where a gated delta rule kernel finds token t's inputs: the plain op's q, k, v, g, β
+    buffers, or the fused op's conv output and raw gates (whose token starts by normalising
+    q and k). `token(t, h, kh)` adds the statements starting token t for v head h to the
+    kernel whose buffers the reads were bound in, and returns its inputs."""
 
-    buffers: tuple                   # (param, value, written) of the inputs, in order
     key_heads: int
-    q: Callable[[str], str]          # q at key index e (normalised, not yet scaled)
-    k: Callable[[str], str]
-    v: Callable[[str], str]          # v at value column c
-    decay: str                       # e^g
-    beta: str
-    prologue: str = ""               # statements starting token t
+    token: Callable[[K, K, K], Token]
 
 
-def plain_reads(ctx: NodeCtx) -> Reads:
-    q, k, v, g, beta = ctx.ins[:5]
-    _, hk, dk = q.type.shape
-    hv, dv = v.type.shape[1:]
-    qk = f"(I64(t) * {hk} + kh) * {dim(dk)} + "
-    return Reads((("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False)), hk,
-                 lambda e: f"q[{qk}{e}]", lambda e: f"k[{qk}{e}]", lambda c: f"v[(I64(t) * {hv} + h) * {dim(dv)} + {c}]",
-                 f"expf(g[t * {hv} + h])", f"beta[t * {hv} + h]")
+def _bind_inputs(ctx: NodeCtx, kb: KernelSpec, names: tuple[str, ...]) -> list[Buffer]:
+    return [kb.bind(name, value) for name, value in zip(names, ctx.ins)]
 
 
-def fused_reads(ctx: NodeCtx) -> Reads:
-    mixed, a, b, dt_bias, ssm_a = ctx.ins[:5]
+def plain_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
+    q_value, _, v_value = ctx.ins[:3]
+    q, k, v, g, beta = _bind_inputs(ctx, kb, ("q", "k", "v", "g", "beta"))
+    _, hk, dk = q_value.type.shape
+    hv, dv = v_value.type.shape[1:]
+
+    def token(t: K, h: K, kh: K) -> Token:
+        def qk(e: K) -> K:
+            return (cast(I64, t) * hk + kh) * dim(dk) + e
+        return Token(lambda e: q[qk(e)], lambda e: k[qk(e)], lambda c: v[(cast(I64, t) * hv + h) * dim(dv) + c],
+                     call("exp", g[t * hv + h]), beta[t * hv + h])
+    return Reads(hk, token)
+
+
+def fused_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
+    mixed, gate_a, gate_b, dt_bias, ssm_a = _bind_inputs(ctx, kb, ("mixed", "gate_a", "gate_b", "dt_bias", "ssm_a"))
     hv, dk, dv = ctx.ins[5].type.shape
-    kd, channels = ctx.attr["key_heads"] * dk, mixed.type.shape[1]
-    q_at, k_at = f"I64(t) * {channels} + kh * {dk} + ", f"I64(t) * {channels} + {kd} + kh * {dk} + "
-    eps = f32(ctx.attr["eps"])
-    prologue = (f"    float qn = 0.0f, kn = 0.0f;\n"
-                f"    for (int e = 0; e < {dk}; ++e) {{ float qa = mixed[{q_at}e], ka = mixed[{k_at}e]; "
-                f"qn += qa * qa; kn += ka * ka; }}\n"
-                f"    qn = 1.0f / sqrtf(qn + {eps});\n    kn = 1.0f / sqrtf(kn + {eps});\n")
-    return Reads((("mixed", mixed, False), ("gate_a", a, False), ("gate_b", b, False), ("dt_bias", dt_bias, False),
-                  ("ssm_a", ssm_a, False)), ctx.attr["key_heads"],
-                 lambda e: f"mixed[{q_at}{e}] * qn", lambda e: f"mixed[{k_at}{e}] * kn",
-                 lambda c: f"mixed[I64(t) * {channels} + {2 * kd} + h * {dv} + {c}]",
-                 f"expf(softplus_f32(gate_a[t * {hv} + h] + dt_bias[h]) * ssm_a[h])",
-                 f"sigmoid_f32(gate_b[t * {hv} + h])", prologue)
+    hk = ctx.attr["key_heads"]
+    kd, channels = hk * dk, ctx.ins[0].type.shape[1]
+    eps = float(ctx.attr["eps"])
+
+    def token(t: K, h: K, kh: K) -> Token:
+        def q_at(e: K) -> K:
+            return cast(I64, t) * channels + kh * dk + e
+
+        def k_at(e: K) -> K:
+            return cast(I64, t) * channels + kd + kh * dk + e
+        qn, kn = kb.let("qn", 0.0), kb.let("kn", 0.0)
+        with kb.loop("e", 0, dk) as e:
+            qa, ka = kb.let("qa", mixed[q_at(e)]), kb.let("ka", mixed[k_at(e)])
+            kb.set(qn, qn + qa * qa)
+            kb.set(kn, kn + ka * ka)
+        kb.set(qn, 1.0 / call("sqrt", qn + eps))
+        kb.set(kn, 1.0 / call("sqrt", kn + eps))
+        return Token(lambda e: mixed[q_at(e)] * qn, lambda e: mixed[k_at(e)] * kn,
+                     lambda c: mixed[cast(I64, t) * channels + 2 * kd + h * dv + c],
+                     call("exp", call_function(SOFTPLUS, gate_a[t * hv + h] + dt_bias[h]) * ssm_a[h]),
+                     call_function(SIGMOID, gate_b[t * hv + h]))
+    return Reads(hk, token)
+
+
+@dataclass(frozen=True)
+class DeltaRule:
+    """One gated delta rule node as both schedules see it: T rows, the DK x DV state of each
+    of hv v heads, how a v head finds its k head, q's scale, where token t's inputs are
+    read, and the output and state buffers."""
+
+    T: K
+    DK: K
+    DV: K
+    hv: int
+    tiled: bool
+    scale: float
+    reads: Reads
+    states: StateBuffers
+
+    def key_head(self, h: K) -> K:
+        hk = self.reads.key_heads
+        return h % hk if self.tiled else h / (self.hv // hk)
+
+    def state_row(self, h: K, e: K) -> K:
+        """Offset of row e of v head h's state."""
+        return (cast(I64, h) * self.DK + e) * self.DV
+
+    def row_states_at(self, t: K) -> K:
+        """Offset of the state after token t in the per-row states."""
+        return cast(I64, t) * self.hv * self.DK * self.DV
+
+    def out_row(self, t: K, h: K) -> K:
+        return (cast(I64, t) * self.hv + h) * self.DV
 
 
 @lowers("gated_delta_rule", "fused_gated_delta_rule")
@@ -102,77 +188,111 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
     runs these kernels too. When nothing else reads the old state (a decode or verify step),
     the new state is written over it: each thread reads a state cell before it writes that
     cell, and a decode then copies no state. The fused op differs only in its `Reads`."""
-    reads = fused_reads(ctx) if ctx.node.op == "fused_gated_delta_rule" else plain_reads(ctx)
     state = ctx.ins[5]
-    o, new_state, *rows = ctx.outs
-    t, hv, dv = o.type.shape
+    t, hv, dv = ctx.outs[0].type.shape
     dk = state.type.shape[1]
-    hk = reads.key_heads
-    kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h / {hv // hk}"
-    shape = (dim(t), dim(dk), dim(dv), hv)
-    scale = f32(ctx.attr["scale"])
-    source, state_buffers = _old_state(ctx, state, new_state)
-    if ctx.profile == "cpu" and isinstance(dv, int) and dv % CPU_COLS == 0:
-        body, groups, local = _cpu_body(*shape, kh, scale, bool(rows), source, reads), [str(hv)], (dv // CPU_COLS,)
+    cpu = ctx.profile == "cpu" and isinstance(dv, int) and dv % CPU_COLS == 0
+    L = dv // CPU_COLS if cpu else pow2_threads(dv, most=64) if isinstance(dv, int) else 64
+    kb = ctx.kernel(ctx.node.op, local=(L,))
+    reads = (fused_reads if ctx.node.op == "fused_gated_delta_rule" else plain_reads)(ctx, kb)
+    rule = DeltaRule(dim(t), dim(dk), dim(dv), hv, ctx.attr.get("head_map", "tiled") == "tiled",
+                     float(ctx.attr["scale"]), reads, _bind_states(ctx, kb, state, "o"))
+    if cpu:
+        _cpu_body(kb, rule)
+        kb.launch([hv])
     else:
-        L = pow2_threads(dv, most=64) if isinstance(dv, int) else 64
-        body = _gpu_body(*shape, kh, scale, bool(rows), dk, L, source, reads)
-        groups, local = [str(hv), cdiv(dim(dv), L)], (L,)
-    buffers = [*reads.buffers, *state_buffers, ("o", o, True), ("new_state", new_state, True)]
-    ctx.launch(ctx.node.op, body, buffers=buffers + [("row_states", r, True) for r in rows],
-               groups=groups, local=local)
+        _gpu_body(kb, rule, dk, L)
+        kb.launch([hv, cdiv(rule.DV, L)])
 
 
-def _gpu_body(T: str, DK: str, DV: str, hv: int, kh: str, scale: str, rows: bool, dk, L: int,
-              source: str, reads: Reads) -> str:
+def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
     """A thread per state column (v head h, value dim col) keeps S[:, col] in registers and
     walks the rows in order, so every reduction over the key dim stays inside the thread;
-    the work-group shares each row's q and k through local memory. `source` holds the old
-    state (new_state itself when updating in place)."""
-    cell = f"(I64(h) * {DK} + e) * {DV} + col"
-    emit = f"      for (int e = 0; e < {DK}; ++e) row_states[I64(t) * {hv} * {DK} * {DV} + {cell}] = S[e];\n" if rows else ""
-    return (f"  int h = GID(0), lid = LID(0), col = GID(1) * {L} + lid, kh = {kh};\n  bool live = col < {DV};\n"
-            f"  LOCAL float qs[{dk}];\n  LOCAL float ks[{dk}];\n  float S[{dk}];\n"
-            f"  for (int e = 0; e < {DK}; ++e) S[e] = live ? {source}[{cell}] : 0.0f;\n"
-            f"  for (int t = 0; t < {T}; ++t) {{\n{reads.prologue}"
-            f"    BARRIER();\n    for (int e = lid; e < {DK}; e += {L}) {{\n"
-            f"      qs[e] = {reads.q('e')} * {scale};\n      ks[e] = {reads.k('e')};\n    }}\n    BARRIER();\n"
-            f"    float decay = {reads.decay}, b = {reads.beta}, sk = 0.0f, y = 0.0f;\n"
-            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] *= decay; sk += S[e] * ks[e]; }}\n"
-            f"    float delta = b * ((live ? {reads.v('col')} : 0.0f) - sk);\n"
-            f"    for (int e = 0; e < {DK}; ++e) {{ S[e] += ks[e] * delta; y += S[e] * qs[e]; }}\n"
-            f"    if (live) {{\n      o[(I64(t) * {hv} + h) * {DV} + col] = y;\n{emit}    }}\n  }}\n"
-            f"  if (live) for (int e = 0; e < {DK}; ++e) new_state[{cell}] = S[e];\n")
+    the work-group shares each row's q and k through local memory."""
+    T, DK, DV, states = rule.T, rule.DK, rule.DV, rule.states
+    h, lid = kb.let("h", kb.gid(0)), kb.let("lid", kb.lid(0))
+    col = kb.let("col", kb.gid(1) * L + lid)
+    kh = kb.let("kh", rule.key_head(h))
+    live = kb.let("live", col < DV)
+    qs, ks = kb.array("qs", F32, dk, "local"), kb.array("ks", F32, dk, "local")
+    S = kb.array("S", F32, dk)
+
+    def cell(e: K) -> K:
+        return rule.state_row(h, e) + col
+
+    with kb.loop("e", 0, DK) as e:
+        S[e] = select(live, states.old[cell(e)], 0.0)
+    with kb.loop("t", 0, T) as t:
+        token = rule.reads.token(t, h, kh)
+        kb.barrier()
+        with kb.loop("e", lid, DK, L) as e:
+            qs[e] = token.q(e) * rule.scale
+            ks[e] = token.k(e)
+        kb.barrier()
+        decay, b = kb.let("decay", token.decay), kb.let("b", token.beta)
+        sk, y = kb.let("sk", 0.0), kb.let("y", 0.0)
+        with kb.loop("e", 0, DK) as e:
+            S[e] = S[e] * decay
+            kb.set(sk, sk + S[e] * ks[e])
+        delta = kb.let("delta", b * (select(live, token.v(col), 0.0) - sk))
+        with kb.loop("e", 0, DK) as e:
+            S[e] = S[e] + ks[e] * delta
+            kb.set(y, y + S[e] * qs[e])
+        with kb.if_(live):
+            states.out[rule.out_row(t, h) + col] = y
+            if states.rows is not None:
+                with kb.loop("e", 0, DK) as e:
+                    states.rows[rule.row_states_at(t) + cell(e)] = S[e]
+    with kb.if_(live), kb.loop("e", 0, DK) as e:
+        states.new[cell(e)] = S[e]
 
 
-def _cpu_body(T: str, DK: str, DV: str, hv: int, kh: str, scale: str, rows: bool, source: str,
-              reads: Reads) -> str:
+def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
     """A work-item per (v head, CPU_COLS state columns) streams the state rows twice per
     token, once for k·S and once to write the updated rows (and sum y), with nothing held
     but CPU_COLS-wide sums: the inner loops over contiguous columns become vector loads and
-    FMAs, where a thread holding a whole column does not vectorise. Row 0 reads `source`
-    (the old state, or new_state itself in place); later rows read the rows the previous
-    token wrote to new_state."""
-    C = CPU_COLS
-    cols = f"for (int j = 0; j < {C}; ++j)"
-    emit = f" row_states[I64(t) * {hv} * {DK} * {DV} + r + j] = s;" if rows else ""
+    FMAs, where a thread holding a whole column does not vectorise. Row 0 reads the old
+    state (new_state itself in place); later rows read the rows the previous token wrote
+    to new_state."""
+    T, DK, states = rule.T, rule.DK, rule.states
+    h, c0 = kb.let("h", kb.gid(0)), kb.let("c0", kb.lid(0) * CPU_COLS)
+    kh = kb.let("kh", rule.key_head(h))
+    sk, y, delta = (kb.array(name, F32, CPU_COLS) for name in ("sk", "y", "delta"))
 
-    def token(src: str) -> str:
-        return (f"{reads.prologue}    float decay = {reads.decay}, b = {reads.beta};\n"
-                f"    {cols} {{ sk[j] = 0.0f; y[j] = 0.0f; }}\n"
-                f"    for (int e = 0; e < {DK}; ++e) {{\n      float kv = {reads.k('e')};\n"
-                f"      i64 r = (I64(h) * {DK} + e) * {DV} + c0;\n      {cols} sk[j] += {src}[r + j] * kv;\n    }}\n"
-                f"    {cols} delta[j] = b * ({reads.v('c0 + j')} - decay * sk[j]);\n"
-                f"    for (int e = 0; e < {DK}; ++e) {{\n"
-                f"      float kv = {reads.k('e')}, qv = {reads.q('e')} * {scale};\n"
-                f"      i64 r = (I64(h) * {DK} + e) * {DV} + c0;\n"
-                f"      {cols} {{ float s = decay * {src}[r + j] + kv * delta[j]; y[j] += s * qv; "
-                f"new_state[r + j] = s;{emit} }}\n    }}\n"
-                f"    {cols} o[(I64(t) * {hv} + h) * {DV} + c0 + j] = y[j];\n")
+    def columns():
+        return kb.loop("j", 0, CPU_COLS)
 
-    copy = (f"  if ({T} == 0) for (int e = 0; e < {DK}; ++e) {{ i64 r = (I64(h) * {DK} + e) * {DV} + c0; "
-            f"{cols} new_state[r + j] = state[r + j]; }}\n") if source == "state" else ""
-    return (f"  int h = GID(0), c0 = LID(0) * {C}, kh = {kh};\n"
-            f"  float sk[{C}], y[{C}], delta[{C}];\n{copy}"
-            f"  for (int t = 0; t < min({T}, 1); ++t) {{\n{token(source)}  }}\n"
-            f"  for (int t = 1; t < {T}; ++t) {{\n{token('new_state')}  }}\n")
+    def token(t: K, src: Buffer) -> None:
+        reads = rule.reads.token(t, h, kh)
+        decay, b = kb.let("decay", reads.decay), kb.let("b", reads.beta)
+        with columns() as j:
+            sk[j] = 0.0
+            y[j] = 0.0
+        with kb.loop("e", 0, DK) as e:
+            kv = kb.let("kv", reads.k(e))
+            r = kb.let("r", rule.state_row(h, e) + c0)
+            with columns() as j:
+                sk[j] = sk[j] + src[r + j] * kv
+        with columns() as j:
+            delta[j] = b * (reads.v(c0 + j) - decay * sk[j])
+        with kb.loop("e", 0, DK) as e:
+            kv, qv = kb.let("kv", reads.k(e)), kb.let("qv", reads.q(e) * rule.scale)
+            r = kb.let("r", rule.state_row(h, e) + c0)
+            with columns() as j:
+                s = kb.let("s", decay * src[r + j] + kv * delta[j])
+                y[j] = y[j] + s * qv
+                states.new[r + j] = s
+                if states.rows is not None:
+                    states.rows[rule.row_states_at(t) + r + j] = s
+        with columns() as j:
+            states.out[rule.out_row(t, h) + c0 + j] = y[j]
+
+    if not states.in_place:  # no token runs when T is 0: the new state is the old one
+        with kb.if_(T.eq(0)), kb.loop("e", 0, DK) as e:
+            r = kb.let("r", rule.state_row(h, e) + c0)
+            with columns() as j:
+                states.new[r + j] = states.old[r + j]
+    with kb.loop("t", 0, minimum(T, 1)) as t:
+        token(t, states.old)
+    with kb.loop("t", 1, T) as t:
+        token(t, states.new)

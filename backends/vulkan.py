@@ -18,7 +18,10 @@ Kernels are scheduled for the chosen device's class (lowering profile "cpu" on l
 
 Environment: DFLASH_IR_VULKAN_DEVICE picks the device (an index or a name substring);
 DFLASH_IR_VULKAN_FEATURES=full|baseline forces a variant (for tests and comparisons);
-DFLASH_IR_PROFILE=cpu|gpu forces the lowering profile.
+DFLASH_IR_PROFILE=cpu|gpu forces the lowering profile; DFLASH_IR_VULKAN_CHECKED=1 runs in checked
+mode: the device is created with robustBufferAccess where it offers it, so a kernel reading
+or writing past a buffer gets zeros or is discarded instead of touching other memory (on a
+CPU driver such as lavapipe: the host heap); DFLASH_IR_VULKAN_TIMEOUT bounds a submission.
 Per-kernel device times: `program.device.start_profiling()` ... `stop_profiling()`.
 """
 from __future__ import annotations
@@ -40,12 +43,33 @@ from .vulkan_device import (PhysicalDevice, VulkanDevice, choose_device, open_de
                             supported_features, supported_subgroup_operations)
 
 ENV_VARIANT = "DFLASH_IR_VULKAN_FEATURES"
+ENV_CHECKED = "DFLASH_IR_VULKAN_CHECKED"
+ROBUST_ACCESS = "robustBufferAccess"
 VARIANT_ORDER = ("full", "baseline")   # preferred first
 SPIRV_DIR = "kernels/vulkan"
 
 
 class VariantFallback(UserWarning):
     """The device lacks a feature of the preferred variant; a fallback variant runs instead."""
+
+
+class UncheckedDevice(UserWarning):
+    """Checked mode was asked for on a device without robustBufferAccess."""
+
+
+def checked_features(physical: PhysicalDevice) -> frozenset[str]:
+    """The features checked mode ($DFLASH_IR_VULKAN_CHECKED=1) adds: robustBufferAccess where
+    the device offers it (a warning where it does not); none outside checked mode."""
+    value = os.environ.get(ENV_CHECKED, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV_CHECKED}={value!r} must be 0 or 1")
+    if value != "1":
+        return frozenset()
+    if ROBUST_ACCESS not in supported_features(physical):
+        warnings.warn(f"{ENV_CHECKED}=1: Vulkan device {physical.describe()} has no {ROBUST_ACCESS}; kernels run "
+                      "unchecked", UncheckedDevice, stacklevel=3)
+        return frozenset()
+    return frozenset({ROBUST_ACCESS})
 
 
 def _variants() -> dict[str, Any]:
@@ -142,7 +166,7 @@ class VulkanBackend(Backend):
         variant, note = choose_variant(entry["variants"], device_capabilities(physical), os.environ.get(ENV_VARIANT))
         if note:
             warnings.warn(f"Vulkan device {physical.describe()}: {note}", VariantFallback, stacklevel=2)
-        device = open_device(physical, frozenset(entry["variants"][variant]["features"]))
+        device = open_device(physical, frozenset(entry["variants"][variant]["features"]) | checked_features(physical))
         plan = Plan.from_dict(entry["plan"])
         folder = Path(artifact_dir) / entry["spirv"] / variant
         device.add_kernels({name: (folder / f"{name}.spv").read_bytes() for name in plan.kernel_names()})

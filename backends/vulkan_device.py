@@ -18,12 +18,23 @@ buffers (record once, replay every decode step), which Kompute hides behind its 
   back, as it does on every step of a decode or verify loop.
 - Shader interface (what backends/glsl.py renders): set 0, binding i = i-th buffer argument
   (storage buffer); push constants = the int arguments, int32 each at offset 4*i; entry `main`.
+- Lifetimes: every submission is waited for, and Vulkan objects are destroyed only between
+  submissions. A garbage-collected buffer (the collector runs at any allocation, in any
+  thread) is only queued; it and the descriptor sets and command buffers naming it are
+  destroyed at the device's next call. A wait that fails (a timeout: lavapipe compiles each
+  new shader with LLVM inside the first submission that runs it; or a device error) leaves
+  work in flight that may still read and write its buffers: the device is then marked lost,
+  frees nothing more and refuses every call with VulkanDeviceLost, and `open_device` makes a
+  fresh one. (Freeing those buffers under the running shaders corrupted the host heap on
+  lavapipe: the segfaults in vkWaitForFences after a failed test.)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -31,16 +42,19 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from dflash_ir.errors import DflashError
+
 from .base import BackendUnavailable
 
 ENV_DEVICE = "DFLASH_IR_VULKAN_DEVICE"
+ENV_TIMEOUT = "DFLASH_IR_VULKAN_TIMEOUT"
 INSTALL = ("install a Vulkan loader and driver, e.g. the Debian packages libvulkan1 and mesa-vulkan-drivers "
            "(mesa-vulkan-drivers provides lavapipe, a CPU driver)")
 API_VERSION = (1, 2, 0)          # 8/16-bit storage, float16/int8 arithmetic are core from 1.2
 _COMMAND_BUFFERS_KEPT = 64       # recorded batches kept for replay
 _SETS_PER_POOL = 256
 _MAX_BINDINGS = 16               # storage-buffer descriptors budgeted per set in a pool
-_WAIT_NS = 600 * 10**9
+DEFAULT_TIMEOUT_S = 3600.0       # a first submission on lavapipe compiles its shaders: minutes on a loaded CPU
 
 # VkPhysicalDeviceType names, and the order in which kinds of device are preferred
 _TYPE_NAMES = {0: "other", 1: "integrated GPU", 2: "discrete GPU", 3: "virtual GPU", 4: "CPU"}
@@ -57,6 +71,25 @@ def vk():
     except OSError:
         raise BackendUnavailable(f"no Vulkan loader (libvulkan.so.1) found: {INSTALL}") from None
     return vulkan
+
+
+class VulkanDeviceLost(DflashError):
+    """A submission did not complete; the device may still use its objects, so it frees none
+    of them and refuses further work (open_device() then makes a fresh device)."""
+
+
+def wait_timeout_s() -> float:
+    """How long a submission may run: $DFLASH_IR_VULKAN_TIMEOUT seconds, default one hour."""
+    text = os.environ.get(ENV_TIMEOUT, "")
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 10**9:
+        raise ValueError(f"{ENV_TIMEOUT}={text!r} must be a positive number of seconds")
+    return seconds
 
 
 def _version(v: int) -> str:
@@ -237,6 +270,16 @@ class _Copy(NamedTuple):
         return "(buffer copy)"
 
 
+def _describe(batch: Sequence[_Dispatch | _Copy]) -> str:
+    """'a batch of 40 launches and 2 copies (kernel names ...)', for error messages."""
+    names = sorted({item.kernel for item in batch if isinstance(item, _Dispatch)})
+    copies = len(batch) - sum(isinstance(item, _Dispatch) for item in batch)
+    counts = [f"{n} {word if n == 1 else plural}" for n, word, plural in
+              ((len(batch) - copies, "launch", "launches"), (copies, "copy", "copies")) if n]
+    shown = f" ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if names else ""
+    return f"a batch of {' and '.join(counts)}{shown}"
+
+
 @dataclass
 class _Recorded:
     command_buffer: Any
@@ -249,6 +292,19 @@ class _Recorded:
 class KernelTime:
     launches: int
     seconds: float
+
+
+def _guarded(method):
+    """A public device call: serialised with the device's other calls, refused once the device
+    is lost, and run after destroying what the garbage collector handed over since the last."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            if self.lost:
+                raise VulkanDeviceLost(f"Vulkan device {self.physical.describe()} is unusable: {self.lost}")
+            self._destroy_collected()
+            return method(self, *args, **kwargs)
+    return call
 
 
 class VulkanDevice:
@@ -299,6 +355,9 @@ class VulkanDevice:
         self.submissions = 0
         self._profiling = False
         self._times: dict[str, list[int]] = {}
+        self._lock = threading.RLock()
+        self._collected: list[tuple[int, Any, Any]] = []   # (serial, buffer, memory) of collected buffers
+        self.lost: str | None = None    # why the device refuses work, once a submission failed
 
     # -- memory -------------------------------------------------------------------------
     def _memory_properties(self, staging: bool | None) -> dict[str, tuple[int, int]]:
@@ -344,26 +403,35 @@ class VulkanDevice:
             view = np.frombuffer(v.vkMapMemory(self.device, memory, 0, size, 0), np.uint8)
         self._serials += 1
         buf = VulkanBuffer(self._serials, size, handle, memory, view)
-        weakref.finalize(buf, self._release, buf.serial, handle, memory).atexit = False
+        # the finalizer only queues (list.append is atomic): it may run in any thread, mid-call
+        weakref.finalize(buf, self._collected.append, (buf.serial, handle, memory)).atexit = False
         return buf
 
+    @_guarded
     def alloc(self, nbytes: int) -> VulkanBuffer:
         if nbytes >= 2**31 and "shaderInt64" not in self.features:
             raise ValueError(f"a {nbytes}-byte Vulkan buffer needs 64-bit offsets: shaders compiled without "
                              "shaderInt64 index with 32-bit ints")
         return self._buffer(nbytes, "device", mapped=not self.uses_staging)
 
-    def _release(self, serial: int, handle, memory) -> None:
-        """A buffer was garbage-collected: drop the descriptor sets and command buffers that
-        name it, then free it."""
+    def _destroy_collected(self) -> None:
+        """Free the buffers the garbage collector handed over, with the descriptor sets and
+        command buffers that name them; only called between submissions."""
         v = self._vk
-        for key in [k for k, r in self._recorded.items() if serial in r.serials]:
-            self._free_recorded(self._recorded.pop(key))
-        for key in [k for k in self._sets if serial in k]:
-            pool, dset = self._sets.pop(key)
-            v.vkFreeDescriptorSets(self.device, pool, 1, [dset])
-        v.vkDestroyBuffer(self.device, handle, None)
-        v.vkFreeMemory(self.device, memory, None)
+        while self._collected:
+            serial, handle, memory = self._collected.pop()
+            for key in [k for k, r in self._recorded.items() if serial in r.serials]:
+                self._free_recorded(self._recorded.pop(key))
+            for key in [k for k in self._sets if serial in k]:
+                pool, dset = self._sets.pop(key)
+                v.vkFreeDescriptorSets(self.device, pool, 1, [dset])
+            v.vkDestroyBuffer(self.device, handle, None)
+            v.vkFreeMemory(self.device, memory, None)
+
+    @property
+    def awaiting_destruction(self) -> int:
+        """Collected buffers not yet destroyed (all of them, for good, once the device is lost)."""
+        return len(self._collected)
 
     def _staging_for(self, nbytes: int) -> VulkanBuffer:
         if self._staging is None or self._staging.nbytes < nbytes:
@@ -373,14 +441,16 @@ class VulkanDevice:
     def _copy_now(self, src: VulkanBuffer, dst: VulkanBuffer, nbytes: int) -> None:
         v = self._vk
         cb = self._begin()
-        v.vkCmdCopyBuffer(cb, src.handle, dst.handle, 1, [v.VkBufferCopy(srcOffset=0, dstOffset=0, size=nbytes)])
-        self._barrier(cb, v.VK_PIPELINE_STAGE_TRANSFER_BIT, v.VK_ACCESS_TRANSFER_WRITE_BIT,
-                      v.VK_PIPELINE_STAGE_HOST_BIT | v.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                      v.VK_ACCESS_HOST_READ_BIT | v.VK_ACCESS_SHADER_READ_BIT)
-        v.vkEndCommandBuffer(cb)
-        self._submit(cb)
+        with self._freed_on_error(cb):
+            v.vkCmdCopyBuffer(cb, src.handle, dst.handle, 1, [v.VkBufferCopy(srcOffset=0, dstOffset=0, size=nbytes)])
+            self._barrier(cb, v.VK_PIPELINE_STAGE_TRANSFER_BIT, v.VK_ACCESS_TRANSFER_WRITE_BIT,
+                          v.VK_PIPELINE_STAGE_HOST_BIT | v.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                          v.VK_ACCESS_HOST_READ_BIT | v.VK_ACCESS_SHADER_READ_BIT)
+            v.vkEndCommandBuffer(cb)
+        self._submit(cb, "a staging copy")
         v.vkFreeCommandBuffers(self.device, self._command_pool, 1, [cb])
 
+    @_guarded
     def upload(self, buf: VulkanBuffer, array: np.ndarray) -> None:
         data = np.require(array, requirements="C").reshape(-1).view(np.uint8)
         self.synchronize()
@@ -391,6 +461,7 @@ class VulkanDevice:
         else:
             buf.mapped[:data.size] = data
 
+    @_guarded
     def download(self, buf: VulkanBuffer, array: np.ndarray) -> None:
         out = array.reshape(-1).view(np.uint8)
         self.synchronize()
@@ -402,6 +473,7 @@ class VulkanDevice:
             out[:] = buf.mapped[:out.size]
 
     # -- kernels ------------------------------------------------------------------------
+    @_guarded
     def add_kernels(self, spirv: Mapping[str, bytes]) -> None:
         """SPIR-V modules by kernel name; pipelines are made at a kernel's first launch. A
         name given new code (an artifact built by another renderer version) drops its pipeline
@@ -510,6 +582,7 @@ class VulkanDevice:
             pSetLayouts=[set_layout]))[0]
 
     # -- launches -----------------------------------------------------------------------
+    @_guarded
     def launch(self, kernel: str, groups, local, args: list) -> None:
         """Queue a dispatch of `groups` work-groups (the local size is in the shader); args
         are the buffers, then the int32 push constants. A grid larger than the device's
@@ -518,16 +591,25 @@ class VulkanDevice:
         buffers = tuple(a for a in args if isinstance(a, VulkanBuffer))
         ints = tuple(int(a) for a in args[len(buffers):])
         groups = tuple(int(g) for g in groups)
+        if kernel not in self._spirv:
+            raise KeyError(f"Vulkan kernel {kernel!r} was not added to the device")
         if len(buffers) + len(ints) != len(args):
             raise TypeError(f"Vulkan kernel {kernel!r}: arguments must be buffers, then ints")
         if any(g > 2 ** 31 - 1 for g in groups):
             raise ValueError(f"Vulkan kernel {kernel!r}: {groups} work-groups overflow gl_WorkGroupID")
         self._pending.append(_Dispatch(kernel, groups, buffers, ints))
 
+    @_guarded
     def copy(self, src: VulkanBuffer, src_offset: int, dst: VulkanBuffer, dst_offset: int, nbytes: int) -> None:
         """Queue a copy between buffers, in order with the launches around it."""
-        self._pending.append(_Copy(src, int(src_offset), dst, int(dst_offset), int(nbytes)))
+        item = _Copy(src, int(src_offset), dst, int(dst_offset), int(nbytes))
+        if min(item.src_offset, item.dst_offset, item.nbytes) < 0 or item.src_offset + item.nbytes > src.nbytes \
+                or item.dst_offset + item.nbytes > dst.nbytes:
+            raise ValueError(f"Vulkan copy of {item.nbytes} bytes from offset {item.src_offset} of a {src.nbytes}-byte "
+                             f"buffer to offset {item.dst_offset} of a {dst.nbytes}-byte buffer is out of range")
+        self._pending.append(item)
 
+    @_guarded
     def synchronize(self) -> None:
         """Run the queued launches and copies and wait for them."""
         if not self._pending:
@@ -542,7 +624,7 @@ class VulkanDevice:
                 self._free_recorded(self._recorded.popitem(last=False)[1])
         else:
             self._recorded.move_to_end(key)
-        self._submit(recorded.command_buffer)
+        self._submit(recorded.command_buffer, _describe(batch))
         if recorded.query_pool is not None:
             self._collect_times(recorded)
 
@@ -565,15 +647,33 @@ class VulkanDevice:
         touches a buffer one since the last barrier touched (before every one when profiling,
         so each one's timestamps time it alone), and one making the results visible to the host."""
         v = self._vk
+        cb = self._begin()
+        with self._freed_on_error(cb) as recorded:
+            if self._profiling:
+                recorded.query_pool = v.vkCreateQueryPool(self.device, v.VkQueryPoolCreateInfo(
+                    sType=v.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=v.VK_QUERY_TYPE_TIMESTAMP,
+                    queryCount=2 * len(batch)), None)
+                v.vkCmdResetQueryPool(cb, recorded.query_pool, 0, 2 * len(batch))
+            self._record_items(cb, batch, recorded.query_pool)
+        self.recordings += 1
+        recorded.kernels = tuple(item.name() for item in batch)
+        recorded.serials = frozenset(b.serial for item in batch for b in item.touched())
+        return recorded
+
+    @contextlib.contextmanager
+    def _freed_on_error(self, cb):
+        """A command buffer (with its query pool) under construction, freed if building it fails."""
+        recorded = _Recorded(cb, (), frozenset())
+        try:
+            yield recorded
+        except BaseException:
+            self._free_recorded(recorded)
+            raise
+
+    def _record_items(self, cb, batch: Sequence[_Dispatch | _Copy], pool) -> None:
+        v = self._vk
         stages = v.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | v.VK_PIPELINE_STAGE_TRANSFER_BIT
         writes = v.VK_ACCESS_SHADER_WRITE_BIT | v.VK_ACCESS_TRANSFER_WRITE_BIT
-        cb = self._begin()
-        pool = None
-        if self._profiling:
-            pool = v.vkCreateQueryPool(self.device, v.VkQueryPoolCreateInfo(
-                sType=v.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=v.VK_QUERY_TYPE_TIMESTAMP,
-                queryCount=2 * len(batch)), None)
-            v.vkCmdResetQueryPool(cb, pool, 0, 2 * len(batch))
         barriers = barrier_points([{b.serial for b in item.touched()} for item in batch])
         for i, item in enumerate(batch):
             if barriers[i] or (pool is not None and i):
@@ -591,9 +691,6 @@ class VulkanDevice:
         self._barrier(cb, stages, writes, v.VK_PIPELINE_STAGE_HOST_BIT | v.VK_PIPELINE_STAGE_TRANSFER_BIT,
                       v.VK_ACCESS_HOST_READ_BIT | v.VK_ACCESS_TRANSFER_READ_BIT)
         v.vkEndCommandBuffer(cb)
-        self.recordings += 1
-        return _Recorded(cb, tuple(item.name() for item in batch),
-                         frozenset(b.serial for item in batch for b in item.touched()), pool)
 
     def _record_dispatch(self, cb, d: _Dispatch) -> None:
         v = self._vk
@@ -611,11 +708,21 @@ class VulkanDevice:
         for (bx, nx), (by, ny), (bz, nz) in itertools.product(*spans):
             v.vkCmdDispatchBase(cb, bx, by, bz, nx, ny, nz)
 
-    def _submit(self, cb) -> None:
+    def _submit(self, cb, what: str) -> None:
+        """Run a command buffer and wait for it. If the submission or the wait fails, the
+        device may still be running it: the device is marked lost (nothing is freed or
+        reused from then on) and VulkanDeviceLost says what did not finish."""
         v = self._vk
-        v.vkQueueSubmit(self.queue, 1, [v.VkSubmitInfo(sType=v.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
-                                                       pCommandBuffers=[cb])], self._fence)
-        v.vkWaitForFences(self.device, 1, [self._fence], v.VK_TRUE, _WAIT_NS)
+        timeout = wait_timeout_s()
+        try:
+            v.vkQueueSubmit(self.queue, 1, [v.VkSubmitInfo(sType=v.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                                                           commandBufferCount=1, pCommandBuffers=[cb])], self._fence)
+            v.vkWaitForFences(self.device, 1, [self._fence], v.VK_TRUE, int(timeout * 1e9))
+        except (v.VkError, v.VkException) as e:
+            reason = "did not finish within" if isinstance(e, v.VkTimeout) else f"failed ({type(e).__name__}) within"
+            self.lost = (f"{what} {reason} {timeout:g} s (${ENV_TIMEOUT} sets the limit); it may still be running, so "
+                         "its buffers stay allocated until the process exits")
+            raise VulkanDeviceLost(f"Vulkan device {self.physical.describe()}: {self.lost}") from None
         v.vkResetFences(self.device, 1, [self._fence])
         self.submissions += 1
 
@@ -626,6 +733,7 @@ class VulkanDevice:
             v.vkDestroyQueryPool(self.device, recorded.query_pool, None)
 
     # -- profiling ----------------------------------------------------------------------
+    @_guarded
     def start_profiling(self) -> None:
         """Time every dispatch from now on with timestamp queries (dispatches then run one
         at a time); `stop_profiling()` returns the device time per kernel."""
@@ -636,6 +744,7 @@ class VulkanDevice:
         self._profiling = True
         self._times = {}
 
+    @_guarded
     def stop_profiling(self) -> dict[str, KernelTime]:
         self.synchronize()
         self._profiling = False
@@ -653,7 +762,15 @@ class VulkanDevice:
             self._times.setdefault(kernel, []).append((stamps[2 * i + 1] - stamps[2 * i]) & mask)
 
 
-@functools.cache
+_OPEN: dict[tuple[PhysicalDevice, frozenset[str]], VulkanDevice] = {}
+_OPEN_LOCK = threading.Lock()
+
+
 def open_device(physical: PhysicalDevice, features: frozenset[str]) -> VulkanDevice:
-    """The process's logical device for this physical device and feature set."""
-    return VulkanDevice(physical, features)
+    """The process's logical device for this physical device and feature set (a fresh one
+    when the last one was lost)."""
+    with _OPEN_LOCK:
+        device = _OPEN.get((physical, features))
+        if device is None or device.lost:
+            device = _OPEN[physical, features] = VulkanDevice(physical, features)
+        return device

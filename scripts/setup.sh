@@ -10,6 +10,7 @@ DEB_PACKAGES=(
   glslang-tools spirv-tools                    # GLSL -> SPIR-V, spirv-val
   hipcc rocm-device-libs lld                   # HIP -> HSACO for the rocm backend (compile only)
   graphviz                                     # PNG/SVG pictures of IR graphs
+  chromium chromium-driver                     # headless browser for the dflash-serve chat page test
   xz-utils
 )
 

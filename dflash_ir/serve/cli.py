@@ -1,0 +1,174 @@
+"""`dflash-serve`: llama-server's command line for dflash-ir.
+
+    dflash-serve -m target.gguf -md draft.gguf --spec-type draft-dflash --spec-draft-n-max 15 \\
+                 -ngl 99 -fa on --jinja -c 10000 --host 0.0.0.0 --port 8080
+    dflash-serve --artifact out/ -np 2 --api-key secret
+
+Flags are llama-server's where they mean something here; llama-server flags that tune what
+dflash-ir decides itself (GPU layers, flash attention, threads) are accepted and reported
+as ignored, so a llama-server command line works after changing the command name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dflash_ir.artifact import DEFAULT_CTX
+from dflash_ir.cli.compile import add_compile_args, resolve_backend
+from dflash_ir.errors import ArtifactError
+from dflash_ir.runtime.sampling import SamplingParams
+
+from .artifact_cache import default_cache_dir, load_or_compile
+
+# llama-server flags that do not apply to dflash-ir: (names, takes a value, why)
+IGNORED = (
+    (("-ngl", "--n-gpu-layers", "--gpu-layers"), True, "the backend places the whole model on its device"),
+    (("-ngld", "--n-gpu-layers-draft"), True, "the backend places the whole draft on its device"),
+    (("-fa", "--flash-attn"), "?", "attention is always fused (fused_attention pass)"),
+    (("-t", "--threads"), True, "the backend's runtime picks its threads"),
+    (("--metrics",), False, "/metrics is always on"),
+    (("--cont-batching", "-cb"), False, "slots always take turns round by round"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-serve", description="OpenAI-compatible HTTP server for DFlash "
+                                "speculative decoding, with llama-server's flags.")
+    m = p.add_argument_group("model")
+    m.add_argument("--artifact", help="artifact folder from dflash-compile")
+    m.add_argument("-m", "--model", help="target GGUF, compiled on first start into --cache-dir")
+    m.add_argument("-md", "--model-draft", help="DFlash draft GGUF")
+    m.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                   help=f"where -m/-md artifacts are compiled and reused (default {default_cache_dir()})")
+    add_compile_args(m)
+    m.set_defaults(ctx_size=None)
+    m.add_argument("--spec-type", default="draft-dflash", choices=["draft-dflash"],
+                   help="speculative decoding type: draft-dflash (the only one)")
+    m.add_argument("--no-spec", action="store_true", help="target only: no speculative decoding")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    s.add_argument("-np", "--parallel", type=int, default=1, help="slots: sequences served at once (default 1)")
+    s.add_argument("--queue-size", type=int, default=64,
+                   help="requests that may wait for a slot; past it 503 + Retry-After (default 64)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or X-Api-Key) on every API route")
+    s.add_argument("--alias", help="model name in the API (default: the target GGUF's file name)")
+    s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB; 413 past it)")
+    g = p.add_argument_group("generation defaults (a request's own fields win)")
+    g.add_argument("-n", "--n-predict", type=int, default=-1, help="max tokens when a request gives none "
+                   "(default -1: until the context is full)")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8, as llama-server)")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per request)")
+    g.add_argument("--jinja", action="store_true", help="accepted: the GGUF's Jinja chat template is always used")
+    g.add_argument("--chat-template-kwargs", type=_json_object, default={},
+                   help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
+    i = p.add_argument_group("llama-server flags accepted and ignored")
+    for names, value, why in IGNORED:
+        kw = {"nargs": "?", "const": True} if value == "?" else {} if value else {"action": "store_true"}
+        i.add_argument(*names, dest=f"ignored_{names[-1].lstrip('-').replace('-', '_')}", help=f"ignored: {why}", **kw)
+    return p
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
+def _check(p: argparse.ArgumentParser, args) -> None:
+    if bool(args.artifact) == bool(args.model):
+        p.error("give either --artifact DIR or -m TARGET.gguf [-md DRAFT.gguf]")
+    if args.model_draft and not args.model:
+        p.error("-md needs -m")
+    for flag, path in (("-m", args.model), ("-md", args.model_draft)):
+        if path and not Path(path).is_file():
+            p.error(f"{flag}: no such file: {path}")
+    for flag, value, low in (("-np/--parallel", args.parallel, 1), ("--queue-size", args.queue_size, 0),
+                             ("--max-body-bytes", args.max_body_bytes, 1), ("--port", args.port, 0)):
+        if value < low:
+            p.error(f"{flag} must be at least {low}, got {value}")
+    try:
+        SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _artifact_alias(p: argparse.ArgumentParser, args) -> str:
+    """The API model name: --alias, else the target GGUF's file name (checks an --artifact now)."""
+    if args.model:
+        return args.alias or Path(args.model).name
+    from dflash_ir.artifact import read_manifest
+
+    try:
+        manifest = read_manifest(args.artifact)
+    except ArtifactError as e:
+        p.error(str(e))
+    n_ctx = int(manifest["config"]["n_ctx"])
+    if args.ctx_size is not None and args.ctx_size != n_ctx:
+        p.error(f"-c {args.ctx_size}: the artifact {args.artifact} was compiled for a context of {n_ctx}; "
+                f"recompile it (dflash-compile -c {args.ctx_size}) or drop -c")
+    return args.alias or Path(manifest["sources"]["target"]["path"]).name
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    _check(p, args)
+    alias = _artifact_alias(p, args)
+    for names, _, why in IGNORED:
+        if getattr(args, f"ignored_{names[-1].lstrip('-').replace('-', '_')}") not in (None, False):
+            _say(f"{names[0]} ignored: {why}")
+
+    import uvicorn
+
+    from .app import ServeConfig, ServerState, create_app
+
+    def load():
+        from dflash_ir.artifact import load_compiled
+
+        if args.artifact:
+            _say(f"loading {args.artifact}")
+            engine = load_compiled(args.artifact, n_max=args.spec_draft_n_max)
+        else:
+            engine = load_or_compile(Path(args.model), Path(args.model_draft) if args.model_draft else None,
+                                     cache_dir=args.cache_dir, backend=resolve_backend(args.backend),
+                                     n_ctx=args.ctx_size or DEFAULT_CTX, n_max=args.spec_draft_n_max,
+                                     opt_level=args.opt_level, dump_dir=args.dump_ir, progress=_say)
+        spec = "speculative (DFlash)" if engine.draft is not None and not args.no_spec else "target only"
+        _say(f"ready: model '{alias}', {args.parallel} slot(s), context {engine.n_ctx}, {spec}, "
+             f"backend {engine.info.get('backend', {}).get('name')}")
+        return engine
+
+    failures: list[BaseException] = []
+
+    def on_failure(e: BaseException) -> None:
+        failures.append(e)
+        _say(f"error: {e}")
+        server.should_exit = True
+
+    config = ServeConfig(alias=alias, n_slots=args.parallel, queue_size=args.queue_size, api_key=args.api_key,
+                         max_body_bytes=args.max_body_bytes, speculative=not args.no_spec, max_tokens=args.n_predict,
+                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed),
+                         template_kwargs=args.chat_template_kwargs)
+    server = uvicorn.Server(uvicorn.Config(create_app(ServerState(config, load, on_failure)), host=args.host,
+                                           port=args.port, timeout_graceful_shutdown=5))
+    _say(f"starting on http://{args.host}:{args.port} (chat page at /, API at /v1); the model loads meanwhile")
+    server.run()
+    return 1 if failures else 0
+
+
+def _say(msg: str) -> None:
+    print(f"dflash-serve: {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Slots on one set of compiled programs (OpenCL): interleaved round by round, each sequence's
+output equals its single-client greedy result; cancel, queue bound, a failing job."""
+import pytest
+
+from dflash_ir.serve.scheduler import Failed, Finished, Job, QueueFull, Scheduler, Tokens
+
+
+class Recorder:
+    """Delivered events of several jobs, in the order they came."""
+
+    def __init__(self):
+        self.events: list[tuple[int, object]] = []
+
+    def job(self, key: int, prompt_ids, **options) -> Job:
+        return Job(list(prompt_ids), {"ignore_eos": True, **options}, lambda ev: self.events.append((key, ev)))
+
+    def tokens(self, key: int) -> list[int]:
+        return [t for k, ev in self.events if k == key and isinstance(ev, Tokens) for t in ev.ids]
+
+    def ends(self, key: int) -> list[object]:
+        return [ev for k, ev in self.events if k == key and isinstance(ev, (Finished, Failed))]
+
+
+def run_all(scheduler: Scheduler, limit: int = 500) -> int:
+    for steps in range(limit):
+        if not scheduler.step():
+            return steps
+    raise AssertionError("the scheduler did not become idle")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engine, prompts):
+    return [engine.tokenizer.encode(p) for p in prompts[:4]]
+
+
+def drafts(rounds) -> dict[int, list[int]]:
+    return {r["anchor_pos"]: r["proposals"] for r in rounds}
+
+
+def test_two_slots_taking_turns_each_equal_their_single_client_result(engine, prompt_ids):
+    single = [engine.generate(prompt_ids=i, max_tokens=48, ignore_eos=True) for i in prompt_ids[:2]]
+    rec = Recorder()
+    scheduler = Scheduler(engine, n_slots=2, queue_size=0)
+    for k in range(2):
+        scheduler.submit(rec.job(k, prompt_ids[k], max_tokens=48))
+    run_all(scheduler)
+    assert [rec.tokens(k) for k in range(2)] == [g.tokens for g in single]
+    for slot, alone in zip(scheduler.slots, single):  # job k ran in slot k
+        # the draft saw the same context (its features were not overwritten by the other slot):
+        # wherever both runs drafted, they proposed the same tokens
+        ours, theirs = drafts(slot.state.engine.last_rounds), drafts(alone.rounds)
+        common = ours.keys() & theirs.keys()
+        assert common
+        for pos in common:
+            n = min(len(ours[pos]), len(theirs[pos]))
+            assert ours[pos][:n] == theirs[pos][:n], pos
+    order = [k for k, ev in rec.events if isinstance(ev, Tokens)]
+    assert order[:6] == [0, 1, 0, 1, 0, 1]  # round by round, alternating
+    ends = [ev for _, ev in rec.events if isinstance(ev, (Finished, Failed))]
+    assert [type(e) for e in ends] == [Finished, Finished] and all(e.stats.generated_tokens == 48 for e in ends)
+    # the generation's wall time includes the other slot's turns: the first to finish took turns all along
+    assert ends[0].predicted_seconds > 1.5 * ends[0].stats.generate_seconds
+
+
+@pytest.mark.parametrize("skip", ["own_states", "_own_features"])
+def test_without_each_copy_the_slots_corrupt_each_other(engine, prompt_ids, monkeypatch, skip):
+    """Why the copies exist: sharing the programs' buffers, one slot's run overwrites the
+    other's states (wrong tokens) or tap features (the draft sees the wrong context)."""
+    import dflash_ir.serve.slot_state as slot_state
+
+    owner = slot_state.SlotEngine if skip == "own_states" else slot_state.SlotTargetRunner
+    monkeypatch.setattr(owner, skip, lambda self, out=None: out)
+    with pytest.raises(AssertionError):
+        test_two_slots_taking_turns_each_equal_their_single_client_result(engine, prompt_ids)
+
+
+def test_more_jobs_than_slots_with_different_lengths(engine, prompt_ids):
+    lengths = [20, 48, 7, 33]
+    want = [engine.generate(prompt_ids=i, max_tokens=n, ignore_eos=True).tokens for i, n in zip(prompt_ids, lengths)]
+    rec = Recorder()
+    scheduler = Scheduler(engine, n_slots=2, queue_size=2)
+    for k, (i, n) in enumerate(zip(prompt_ids, lengths)):
+        scheduler.submit(rec.job(k, i, max_tokens=n))
+    run_all(scheduler)
+    assert [rec.tokens(k) for k in range(4)] == want
+    assert scheduler.busy_slots == 0 and scheduler.queued == 0
+
+
+def one_slot_two_jobs(engine, prompt_ids, lengths):
+    """A one-slot scheduler with a running job and a waiting one."""
+    rec = Recorder()
+    scheduler = Scheduler(engine, n_slots=1, queue_size=1)
+    jobs = [rec.job(k, prompt_ids[k], max_tokens=n) for k, n in enumerate(lengths)]
+    for job in jobs:
+        scheduler.submit(job)
+    return rec, scheduler, jobs
+
+
+def test_a_cancelled_job_frees_its_slot_before_its_next_round(engine, prompt_ids):
+    rec, scheduler, (gone, waiting) = one_slot_two_jobs(engine, prompt_ids, (400, 10))
+    scheduler.step()
+    scheduler.step()
+    assert gone.steps == 2 and waiting.steps == 0
+    scheduler.cancel(gone)
+    scheduler.step()  # drops `gone` without running it, then the waiting job takes the slot next cycle
+    assert gone.steps == 2 and rec.ends(0) == []
+    run_all(scheduler)
+    assert gone.steps == 2
+    assert rec.tokens(1) == engine.generate(prompt_ids=prompt_ids[1], max_tokens=10, ignore_eos=True).tokens
+
+
+def test_a_cancelled_waiting_job_never_runs(engine, prompt_ids):
+    rec, scheduler, (_, second) = one_slot_two_jobs(engine, prompt_ids, (5, 5))
+    scheduler.cancel(second)
+    assert scheduler.queued == 1
+    run_all(scheduler)
+    assert second.steps == 0 and rec.tokens(1) == [] and len(rec.tokens(0)) == 5
+
+
+def test_the_queue_is_bounded(engine, prompt_ids):
+    rec = Recorder()
+    scheduler = Scheduler(engine, n_slots=2, queue_size=1)
+    for k in range(3):  # two for the free slots, one waiting
+        scheduler.submit(rec.job(k, prompt_ids[k], max_tokens=4))
+    with pytest.raises(QueueFull, match="2 slots are busy and 1 requests are waiting"):
+        scheduler.submit(rec.job(3, prompt_ids[3], max_tokens=4))
+    run_all(scheduler)
+    scheduler.submit(rec.job(3, prompt_ids[3], max_tokens=4))  # room again
+    run_all(scheduler)
+    assert all(len(rec.tokens(k)) == 4 for k in range(4))
+
+
+def test_an_engine_error_fails_only_its_job(engine, prompt_ids):
+    rec = Recorder()
+    scheduler = Scheduler(engine, n_slots=2, queue_size=0)
+    scheduler.submit(rec.job(0, prompt_ids[0], max_tokens=12))
+    scheduler.submit(rec.job(1, prompt_ids[1], max_tokens=12, n_max=99))
+    run_all(scheduler)
+    (failed,) = rec.ends(1)
+    assert isinstance(failed, Failed) and "n_max must be in 1..15" in failed.message
+    assert rec.tokens(0) == engine.generate(prompt_ids=prompt_ids[0], max_tokens=12, ignore_eos=True).tokens
+    assert scheduler.busy_slots == 0
+
+
+def test_slot_count_and_queue_size_are_checked(engine):
+    with pytest.raises(ValueError, match="at least 1"):
+        Scheduler(engine, n_slots=0, queue_size=1)
+    with pytest.raises(ValueError, match="queue size"):
+        Scheduler(engine, n_slots=1, queue_size=-1)

@@ -2,8 +2,13 @@
 
 The whole header is checked against the file before anything is trusted, so a malformed or
 hostile file fails fast with one `GGUFError` that names the file and the problem, instead of a
-numpy/struct traceback, a huge allocation or a loop over a bogus count. Tensor data is never
-copied: `raw` returns read-only views of the mapping.
+numpy/struct traceback, a huge allocation or a loop over a bogus count. Only regular files are
+opened (a named pipe would block the reader). Tensor data must be laid out as llama.cpp's
+gguf.cpp requires, each tensor at the padded end of the one declared before it, and end
+where the file ends: a tensor whose type or shape does not match its bytes (F32 data
+labelled F16) is refused. Shapes drop trailing ggml dims of 1 (ne [192, 4096, 1, 1] is a
+192 x 4096 matrix, as ggml_n_dims counts it). Tensor data is never copied: `raw` returns
+read-only views of the mapping.
 
 gguf-py's `GGUFReader` is not used here: it builds numpy views per string and takes ~20 s on
 the header of a file with a 248k-token vocabulary, and it trusts declared lengths and counts.
@@ -12,10 +17,10 @@ It remains the oracle in the tests.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,17 +177,41 @@ def _error(path: Path, message: str) -> GGUFError:
     return GGUFError(f"{path}: {message}")
 
 
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for error messages."""
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
 def _map(path: Path) -> mmap.mmap:
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                raise _error(path, "empty file (0 bytes): not a GGUF file")
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:  # O_NONBLOCK: opening a named pipe must not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError as e:
         raise _error(path, "file not found") from e
     except OSError as e:
         raise _error(path, f"cannot open: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _error(path, f"{file_kind(st.st_mode)}, not a GGUF file")
+        if st.st_size == 0:
+            raise _error(path, "empty file (0 bytes): not a GGUF file")
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise _error(path, f"cannot map: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+
+
+def squeeze_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Drop leading numpy (= trailing ggml) dims of 1, as ggml_n_dims does (llama-quantize writes that many)."""
+    shape = tuple(int(d) for d in shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
 
 
 @dataclass
@@ -357,7 +386,7 @@ class _Parser:
                 dtype = from_ggml_type(type_id, what=f"tensor {name!r}")
             except ValueError as e:
                 raise self._error(str(e)) from e
-            shape = tuple(reversed(ne))
+            shape = squeeze_shape(tuple(reversed(ne)))
             try:
                 n_bytes = math.prod(quant.storage_shape(shape, dtype)) * dtype.numpy().itemsize
             except ValueError as e:
@@ -373,11 +402,27 @@ class _Parser:
                     f"({self.size} bytes): truncated or corrupt"
                 )
             tensors[name] = TensorInfo(name, dtype, shape, ne, start, n_bytes)
-        self._check_overlaps(list(tensors.values()))
+        self._check_layout(list(tensors.values()), alignment, data_offset)
         return tensors
 
-    def _check_overlaps(self, infos: list[TensorInfo]) -> None:
-        ordered = sorted((t for t in infos if t.n_bytes), key=lambda t: t.offset)
-        for before, after in itertools.pairwise(ordered):
-            if after.offset < before.offset + before.n_bytes:
-                raise self._error(f"tensors {before.name!r} and {after.name!r} overlap in the data section")
+    def _check_layout(self, infos: list[TensorInfo], alignment: int, data_offset: int) -> None:
+        """llama.cpp's rule: each tensor starts at the padded end of the one declared before it;
+        and the file ends with the last one's data (or its padding)."""
+        end = 0
+        for before, t in zip([None, *infos], infos):
+            if t.offset - data_offset != end:
+                after = f"tensor {before.name!r} before it ({_describe(before)}) ends" if before else "the data starts"
+                raise self._error(f"tensor {t.name!r} data starts at data-section offset {t.offset - data_offset}, "
+                                  f"but {after} at {end}: a wrong offset, or a type or shape that does not match "
+                                  "the data (e.g. F32 data labelled F16)")
+            end += -(-t.n_bytes // alignment) * alignment
+        trailing = self.size - data_offset - end
+        if infos and trailing > 0:
+            last = infos[-1]
+            raise self._error(f"{trailing} bytes follow the data of the last tensor {last.name!r} ({_describe(last)}): "
+                              "its type or shape does not match its data (e.g. F32 data labelled F16), or the file "
+                              "has trailing bytes")
+
+
+def _describe(t: TensorInfo) -> str:
+    return f"{t.dtype.value.upper()} {list(t.shape)}, {t.n_bytes} bytes"

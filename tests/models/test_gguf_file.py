@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import signal
 import struct
@@ -284,8 +285,15 @@ _CORRUPTIONS = {
     ),
     "overlapping_tensors": (
         lambda L: _patch(L.blob, L.tensor_field("w.f16", "offset"), "<Q", 0),
-        r"tensors '.*' and '.*' overlap",
+        r"tensor 'w\.f16' data starts at data-section offset 0, but tensor 'w\.f32' before it \(F32 \[3, 5\], "
+        r"60 bytes\) ends at 64",
     ),
+    "f32_relabelled_f16": (  # llama.cpp refuses the next tensor's offset the same way
+        lambda L: _patch(L.blob, L.tensor_field("w.f32", "type"), "<I", 1),
+        r"tensor 'w\.f16' data starts at data-section offset 64, but tensor 'w\.f32' before it \(F16 \[3, 5\], "
+        r"30 bytes\) ends at 32: .*F32 data labelled F16",
+    ),
+    "trailing_bytes": (lambda L: L.blob + bytes(64), r"64 bytes follow the data of the last tensor 'w\.vec'"),
     "q8_0_row_not_multiple_of_32": (
         lambda L: _patch(L.blob, L.tensor_field("w.q80", "ne0"), "<q", 48),
         r"tensor 'w\.q80': shape/size mismatch: .*multiple of 32",
@@ -323,5 +331,40 @@ def test_empty_missing_and_directory(tmp_path, deadline):
     missing = tmp_path / "missing.gguf"
     with pytest.raises(GGUFError, match=rf"^{re.escape(str(missing))}: file not found"):
         open_gguf(str(missing))
-    with pytest.raises(GGUFError, match=rf"^{re.escape(str(tmp_path))}: cannot open"):
+    with pytest.raises(GGUFError, match=rf"^{re.escape(str(tmp_path))}: a directory, not a GGUF file"):
         open_gguf(tmp_path)
+
+
+def test_a_named_pipe_is_refused_without_waiting_for_a_writer(tmp_path, deadline):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(GGUFError, match=rf"^{re.escape(str(fifo))}: a named pipe, not a GGUF file"):
+        open_gguf(fifo)
+
+
+def _one_tensor_file(path, data: np.ndarray):
+    writer = gguf.GGUFWriter(path, arch="testarch")
+    writer.add_tensor("w", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_last_tensor_relabelled_leaves_its_surplus_bytes_named(tmp_path):
+    path = _one_tensor_file(tmp_path / "last.gguf", np.ones((64, 64), np.float32))
+    layout = _Layout(path)
+    path.write_bytes(_patch(layout.blob, layout.tensor_field("w", "type"), "<I", 30))  # F32 -> BF16
+    with pytest.raises(GGUFError, match=r"8192 bytes follow the data of the last tensor 'w' \(BF16 \[64, 64\], "
+                                        r"8192 bytes\): .*F32 data labelled F16"):
+        open_gguf(path)
+
+
+def test_trailing_unit_dims_are_dropped_as_ggml_n_dims_does(tmp_path):
+    """ne = [192, 64, 1, 1] is a 64 x 192 matrix; ggml_shape keeps what the file says."""
+    data = _RNG.standard_normal((1, 1, 64, 192)).astype(np.float32)
+    with open_gguf(_one_tensor_file(tmp_path / "unit.gguf", data)) as f:
+        info = f.tensors["w"]
+        assert (info.shape, info.ggml_shape) == ((64, 192), (192, 64, 1, 1))
+        np.testing.assert_array_equal(f.raw("w"), data[0, 0])

@@ -87,8 +87,8 @@ class _ChatShape:
     def last(self, stats) -> dict:
         return api.chat_chunk(self.rid, self.model, {}, api.finish_reason(stats))
 
-    def response(self, content: str, reasoning: str, stats, timing: dict) -> dict:
-        return api.chat_response(self.rid, self.model, content, reasoning, stats, timing)
+    def response(self, content: str, reasoning: str, stats, timing: dict, spec: dict) -> dict:
+        return api.chat_response(self.rid, self.model, content, reasoning, stats, timing, spec)
 
 
 class _CompletionShape(_ChatShape):
@@ -101,8 +101,8 @@ class _CompletionShape(_ChatShape):
     def last(self, stats) -> dict:
         return api.completion_chunk(self.rid, self.model, "", api.finish_reason(stats))
 
-    def response(self, content: str, reasoning: str, stats, timing: dict) -> dict:
-        return api.completion_response(self.rid, self.model, content, stats, timing)
+    def response(self, content: str, reasoning: str, stats, timing: dict, spec: dict) -> dict:
+        return api.completion_response(self.rid, self.model, content, stats, timing, spec)
 
 
 async def respond(scheduler: Scheduler, tokenizer, model: str, prepared: Prepared, http: Request):
@@ -139,7 +139,8 @@ async def _stream(events: JobEvents, reply: Reply, shape: _ChatShape, include_us
             for kind, text in reply.finish():
                 yield api.sse(shape.piece(kind, text))
             timing = api.timings(event.stats, event.prompt_seconds, event.predicted_seconds)
-            yield api.sse({**shape.last(event.stats), "timings": timing, "dflash": api.speculation(event.stats)})
+            spec = api.speculation(event.stats, event.steps)
+            yield api.sse({**shape.last(event.stats), "timings": timing, "dflash": spec})
             if include_usage:
                 yield api.sse({**shape.last(event.stats), "choices": [], "usage": api.usage(event.stats)})
         else:
@@ -159,7 +160,8 @@ async def _collect(events: JobEvents, reply: Reply, shape: _ChatShape) -> JSONRe
         for kind, text in pieces:
             parts[kind].append(text)
     timing = api.timings(event.stats, event.prompt_seconds, event.predicted_seconds)
-    return JSONResponse(shape.response("".join(parts["content"]), "".join(parts["reasoning"]), event.stats, timing))
+    return JSONResponse(shape.response("".join(parts["content"]), "".join(parts["reasoning"]), event.stats, timing,
+                                       api.speculation(event.stats, event.steps)))
 
 
 async def _disconnected(http: Request) -> None:

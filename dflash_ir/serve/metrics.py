@@ -30,7 +30,8 @@ class ServerMetrics:
         self.predicted = Counter("llamacpp:tokens_predicted", "Number of generation tokens processed.", registry=r)
         self.predicted_seconds = Counter("llamacpp:tokens_predicted_seconds", "Predict process time (wall, "
                                          "including other slots' turns).", registry=r)
-        self.steps = Counter("llamacpp:n_decode", "Engine steps: prefills and speculative rounds.", registry=r)
+        self.steps = Counter("llamacpp:n_decode", "Engine steps: prefills, speculative rounds, decode steps.",
+                             registry=r)
         Gauge("llamacpp:requests_processing", "Number of requests processing.", registry=r).set_function(busy)
         Gauge("llamacpp:requests_deferred", "Number of requests waiting for a slot.", registry=r).set_function(queued)
         Gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.", registry=r).set_function(
@@ -62,7 +63,7 @@ class ServerMetrics:
                              ("predicted", stats.generated_tokens), ("predicted_seconds", ending.predicted_seconds)):
             getattr(self, name).inc(amount)
             self._totals[name] += amount
-        self.steps.inc(1 + (stats.rounds if stats.mode == "speculative" else max(stats.generated_tokens - 1, 0)))
+        self.steps.inc(ending.steps)
         self.drafts.inc(stats.rounds)
         self.draft_tokens.inc(stats.drafted)
         self.accepted.inc(stats.accepted)

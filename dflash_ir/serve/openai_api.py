@@ -228,25 +228,28 @@ def timings(stats: GenerationStats, prompt_seconds: float, predicted_seconds: fl
     return out
 
 
-def speculation(stats: GenerationStats) -> dict:
-    """dflash's own figures beside `timings`: τ, acceptance, rounds, the histogram."""
-    return {"mode": stats.mode, "rounds": stats.rounds, "tau": stats.tau, "acceptance_rate": stats.acceptance_rate,
+def speculation(stats: GenerationStats, steps: int) -> dict:
+    """dflash's own figures beside `timings`: τ, acceptance, rounds, the histogram, and the
+    engine steps (the prefill, then one per round or decode step)."""
+    return {"mode": stats.mode, "rounds": stats.rounds, "steps": steps, "tau": stats.tau,
+            "acceptance_rate": stats.acceptance_rate,
             "accept_hist": {str(k): v for k, v in sorted(stats.accept_hist.items())}}
 
 
-def chat_response(rid: str, model: str, content: str, reasoning: str, stats: GenerationStats, timing: dict) -> dict:
+def chat_response(rid: str, model: str, content: str, reasoning: str, stats: GenerationStats, timing: dict,
+                  spec: dict) -> dict:
     message = {"role": "assistant", "content": content}
     if reasoning:
         message["reasoning_content"] = reasoning
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(stats), "logprobs": None}],
-            "usage": usage(stats), "timings": timing, "dflash": speculation(stats)}
+            "usage": usage(stats), "timings": timing, "dflash": spec}
 
 
-def completion_response(rid: str, model: str, text: str, stats: GenerationStats, timing: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, stats: GenerationStats, timing: dict, spec: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(stats), "logprobs": None}],
-            "usage": usage(stats), "timings": timing, "dflash": speculation(stats)}
+            "usage": usage(stats), "timings": timing, "dflash": spec}
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None) -> dict:

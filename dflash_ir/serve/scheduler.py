@@ -35,10 +35,12 @@ class Tokens:
 
 @dataclass
 class Finished:
-    """The job ended: its stats, and the wall time of its prompt and of its generation."""
+    """The job ended: its stats, the wall time of its prompt and of its generation, and the
+    engine steps it ran (the prefill, then one per round or decode step)."""
     stats: GenerationStats
     prompt_seconds: float
     predicted_seconds: float
+    steps: int
 
 
 @dataclass
@@ -169,7 +171,7 @@ class Scheduler:
         """The job's stats and wall times: the prompt's (prefill), and the generation's, from the
         first token to now, which includes the other slots' turns in between (as llama-server)."""
         job, stats = slot.job, slot.state.engine.last_stats
-        return Finished(stats, stats.seconds["prefill"], time.perf_counter() - job.first_token)
+        return Finished(stats, stats.seconds["prefill"], time.perf_counter() - job.first_token, job.steps)
 
     def _release(self, slot: Slot, outcome: str, ending: Finished | None = None) -> None:
         if self.metrics is not None:

@@ -21,10 +21,11 @@ def test_a_finished_job_and_the_gauges():
     m = ServerMetrics(16, busy=lambda: 3, queued=lambda: 5)
     stats = GenerationStats(prompt_tokens=9, generated_tokens=12, rounds=3, drafted=45, accepted=8)
     stats.accept_hist.update({0: 1, 3: 1, 5: 1})
-    m.job_ended(Finished(stats, 0.25, 2.0), "finished")
+    m.job_ended(Finished(stats, 0.25, 2.0, 4), "finished")
     m.job_ended(None, "cancelled")
     m.request("invalid")
     got = samples(m)
+    assert got[("llamacpp:n_decode_total", ())] == 4
     assert got[("llamacpp:requests_processing", ())] == 3 and got[("llamacpp:requests_deferred", ())] == 5
     assert got[("llamacpp:prompt_tokens_seconds", ())] == 36.0 and got[("llamacpp:predicted_tokens_seconds", ())] == 6.0
     assert [got[("llamacpp:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]

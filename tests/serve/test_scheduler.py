@@ -58,6 +58,9 @@ def test_two_slots_taking_turns_each_equal_their_single_client_result(engine, pr
     assert order[:6] == [0, 1, 0, 1, 0, 1]  # round by round, alternating
     ends = [ev for _, ev in rec.events if isinstance(ev, (Finished, Failed))]
     assert [type(e) for e in ends] == [Finished, Finished] and all(e.stats.generated_tokens == 48 for e in ends)
+    for k in range(2):  # a step per Tokens event: the prefill, then at least one per round
+        (end,) = rec.ends(k)
+        assert end.steps == order.count(k) >= 1 + end.stats.rounds
     # the generation's wall time includes the other slot's turns: the first to finish took turns all along
     assert ends[0].predicted_seconds > 1.5 * ends[0].stats.generate_seconds
 

@@ -11,7 +11,7 @@ import hmac
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -35,17 +35,18 @@ from .scheduler import Scheduler
 STATIC = Path(__file__).parent / "static"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
+    """The server's flags (cli.py has their defaults and meanings)."""
     alias: str
-    n_slots: int = 1
-    queue_size: int = 64
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    speculative: bool = True
-    max_tokens: int = -1  # -1: until the context is full
-    sampling: SamplingParams = SamplingParams(temperature=0.8)
-    template_kwargs: dict = field(default_factory=dict)
+    n_slots: int
+    queue_size: int
+    api_key: str | None
+    max_body_bytes: int
+    speculative: bool
+    max_tokens: int  # -1: until the context is full
+    sampling: SamplingParams
+    template_kwargs: dict
 
 
 class ServerState:
@@ -84,7 +85,8 @@ class ServerState:
             scheduler = Scheduler(engine, cfg.n_slots, cfg.queue_size)
             self.metrics = scheduler.metrics = ServerMetrics(engine.draft.block_size if engine.draft else 16,
                                                              lambda: scheduler.busy_slots, lambda: scheduler.queued)
-            self.defaults = api.ServerDefaults(cfg.alias, engine.n_ctx, cfg.max_tokens, cfg.sampling, cfg.template_kwargs)
+            self.defaults = api.ServerDefaults(cfg.alias, engine.n_ctx, cfg.max_tokens, cfg.sampling,
+                                               cfg.template_kwargs)
             self.speculative, self.scheduler, self.engine = speculative, scheduler, engine
         except BaseException as e:  # reported by the CLI, which then stops the server
             self._on_failure(e)
@@ -199,7 +201,8 @@ def _check_ids(state: ServerState, ids: list[int], field_name: str) -> None:
     n = state.engine.tokenizer.vocab_size
     bad = next((t for t in ids if not 0 <= t < n), None)
     if bad is not None:
-        raise api.RequestError(f"'{field_name}' holds token id {bad}, outside the vocabulary [0, {n})", param=field_name)
+        raise api.RequestError(f"'{field_name}' holds token id {bad}, outside the vocabulary [0, {n})",
+                               param=field_name)
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:

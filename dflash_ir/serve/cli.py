@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a slot; past it 503 + Retry-After (default 64)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or X-Api-Key) on every API route")
     s.add_argument("--alias", help="model name in the API (default: the target GGUF's file name)")
-    s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB; 413 past it)")
+    s.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body (default 8 MiB; 413 past it)")
     g = p.add_argument_group("generation defaults (a request's own fields win)")
     g.add_argument("-n", "--n-predict", type=int, default=-1, help="max tokens when a request gives none "
                    "(default -1: until the context is full)")

@@ -125,8 +125,9 @@ def _common(f: "Fields", defaults: ServerDefaults) -> dict:
     d = defaults.sampling
     temperature = f.get("temperature", float, default=d.temperature)
     try:
-        sampling = SamplingParams(temperature, f.get("top_k", int, default=d.top_k), f.get("top_p", float, default=d.top_p),
-                                  f.get("min_p", float, default=d.min_p), f.get("seed", int, default=d.seed))
+        sampling = SamplingParams(temperature, f.get("top_k", int, default=d.top_k),
+                                  f.get("top_p", float, default=d.top_p), f.get("min_p", float, default=d.min_p),
+                                  f.get("seed", int, default=d.seed))
     except ValueError as e:  # SamplingParams' message names the field
         raise RequestError(str(e), param=next((n for n in _SAMPLING_FIELDS if str(e).startswith(n)), None)) from None
     if sampling.seed is not None and sampling.seed < 0:

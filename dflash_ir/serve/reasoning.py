@@ -11,6 +11,8 @@ tail that could be the start of a tag is held back until the next piece settles 
 """
 from __future__ import annotations
 
+from .text import held_tail
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -47,7 +49,7 @@ class ReasoningSplit:
                 reasoning += self._pending[:end]
                 self._mode, self._pending, self._strip = "content", self._pending[end + len(CLOSE):], True
                 continue
-            keep = 0 if final else next((n for n in range(len(CLOSE) - 1, 0, -1) if self._pending.endswith(CLOSE[:n])), 0)
+            keep = 0 if final else held_tail(self._pending, (CLOSE,))
             reasoning += self._pending[:len(self._pending) - keep]
             self._pending = self._pending[len(self._pending) - keep:]
             return reasoning, content

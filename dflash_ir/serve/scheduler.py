@@ -171,7 +171,8 @@ class Scheduler:
         """The job's stats and wall times: the prompt's (prefill), and the generation's, from the
         first token to now, which includes the other slots' turns in between (as llama-server)."""
         job, stats = slot.job, slot.state.engine.last_stats
-        return Finished(stats, stats.seconds["prefill"], time.perf_counter() - job.first_token, job.steps)
+        generating = time.perf_counter() - job.first_token if job.steps else 0.0
+        return Finished(stats, stats.seconds["prefill"], generating, job.steps)
 
     def _release(self, slot: Slot, outcome: str, ending: Finished | None = None) -> None:
         if self.metrics is not None:

@@ -39,12 +39,13 @@ class TextStream:
         if hits:
             self.stopped, self._pending = True, ""
             return text[:min(hits)]
-        keep = 0 if final else _partial_stop(text, self._stop)
+        keep = 0 if final else held_tail(text, self._stop)
         self._pending = text[len(text) - keep:]
         return text[:len(text) - keep]
 
 
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of `text` that is the start of a stop string."""
-    return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
+def held_tail(text: str, marks: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is the start of one of `marks` (and so must
+    wait for the next piece to tell whether the mark follows)."""
+    return max((n for s in marks for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
                default=0)

@@ -31,7 +31,12 @@ def bodies_for(prompts, count: int) -> tuple[list[dict], dict[int, int]]:
 
 @pytest.mark.slow
 def test_load(demo_artifact, engine, prompts, tmp_path):
-    want = {(p, n): expected_text(engine, engine.generate(p, max_tokens=n)) for p in prompts for n in LENGTHS}
+    want = {}
+    for p in prompts:
+        for n in LENGTHS:
+            gen = engine.generate(p, max_tokens=n)
+            finish = "stop" if gen.stats.stop_reason == "eos" else "length"
+            want[p, n] = (expected_text(engine, gen), len(gen.tokens), finish)
     server = ServerProcess(["--artifact", str(demo_artifact), "-np", "2", "--temp", "0", "--queue-size", "16"],
                            tmp_path / "server.log")
     try:
@@ -50,8 +55,8 @@ def test_load(demo_artifact, engine, prompts, tmp_path):
 
         assert [r.error for r in results] == [None] * REQUESTS
         completed = [(b, r) for i, (b, r) in enumerate(zip(bodies, results)) if i not in leave]
-        assert all(r.text == want[b["prompt"], b["max_tokens"]] for b, r in completed)
-        assert all(r.completion_tokens == b["max_tokens"] for b, r in completed)
+        assert all((r.text, r.completion_tokens, r.finish_reason) == want[b["prompt"], b["max_tokens"]]
+                   for b, r in completed)
         assert all(r.cancelled for i, r in enumerate(results) if i in leave)
 
         def delta(outcome):

@@ -6,29 +6,33 @@ from __future__ import annotations
 
 from dflash_ir.ops.position import frequency_components, inv_freq_f32
 
-from ..lowering import NodeCtx, lowers
-from .common import dim, f32_table, flat_launch
+from ..kir import F32, I32, K, call, cast, select
+from ..lowering import NodeCtx, dim, lowers
+from .shapes import flat_launch
 
 
 @lowers("rope")
 def rope(ctx: NodeCtx) -> None:
-    x, pos = ctx.ins
-    _, h, d = x.type.shape
+    pos_value = ctx.ins[1]
+    _, h, d = ctx.ins[0].type.shape
     n_rot = ctx.attr["n_rot"]
     half = n_rot // 2
     inv_freq = inv_freq_f32(n_rot, ctx.attr["theta"])
     components = frequency_components(half, tuple(ctx.attr.get("sections", ())), ctx.attr.get("interleaved", False))
     D = dim(d)
-    if pos.type.rank == 2:
-        position = f"x1[t * {dim(pos.type.shape[1])} + comp[j]]"
-        table = f"  const int comp[{half}] = {{{', '.join(str(int(c)) for c in components)}}};\n"
-    else:
-        position, table = "x1[t]", ""
-    flat_launch(ctx, f"  int dd = i % {D}, t = i / ({dim(h)} * {D});\n"
-                     f"  if (dd >= {n_rot}) {{ out[i] = x0[i]; return; }}\n"
-                     f"  const float inv_freq[{half}] = {f32_table(inv_freq)};\n{table}"
-                     f"  int j = dd < {half} ? dd : dd - {half};\n"
-                     f"  float angle = F32({position}) * inv_freq[j];\n"
-                     f"  float c = cosf(angle), s = sinf(angle);\n"
-                     f"  float lo = x0[i - dd + j], hi = x0[i - dd + j + {half}];\n"
-                     f"  out[i] = dd < {half} ? lo * c - hi * s : hi * c + lo * s;\n")
+
+    def compute(kb, i, xs, out):
+        x, pos = xs
+        dd, t = kb.let("dd", i % D), kb.let("t", i / (dim(h) * D))
+        with kb.if_(dd >= n_rot):  # partial rotary: the dims past n_rot are copied
+            out[i] = x[i]
+            kb.emit(K("return"))
+        freq = kb.array("inv_freq", F32, half, init=[float(f) for f in inv_freq])
+        comp = kb.array("comp", I32, half, init=[int(c) for c in components]) if pos_value.type.rank == 2 else None
+        j = kb.let("j", select(dd < half, dd, dd - half))
+        position = pos[t * dim(pos_value.type.shape[1]) + comp[j]] if comp is not None else pos[t]
+        angle = kb.let("angle", cast(F32, position) * freq[j])
+        c, s = kb.let("c", call("cos", angle)), kb.let("s", call("sin", angle))
+        lo, hi = kb.let("lo", x[i - dd + j]), kb.let("hi", x[i - dd + j + half])
+        out[i] = select(dd < half, lo * c - hi * s, hi * c + lo * s)
+    flat_launch(ctx, compute)

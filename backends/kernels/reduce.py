@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 
-from ..kir import F32, I64, call as kcall, cast as kcast, const as kconst
-from ..lowering import NodeCtx, dim as kdim, lowers
+from ..kir import F32, I32, I64, K, call, cast, const, maximum, var
+from ..lowering import NodeCtx, dim, lowers
 from . import access
-from .shapes import prod as kprod
-from .common import FLAT, cdiv, dim, f32, flat_launch, group_reduce, pow2_threads, prod, weight_at
+from .shapes import FLAT, cdiv, flat_index, flat_launch, pow2_threads, prod
 
 
 def _row_threads(n) -> int:
@@ -19,25 +18,25 @@ def _row_threads(n) -> int:
 def _norm(ctx: NodeCtx, mean: bool) -> None:
     x_value = ctx.ins[0]
     n = x_value.type.shape[-1]
-    L, N = _row_threads(n), kdim(n)
+    L, N = _row_threads(n), dim(n)
     kb = ctx.kernel(ctx.node.op, local=(L,))
     x = kb.bind("x", x_value)
     w_value = ctx.ins[1] if len(ctx.ins) > 1 else None
     w = kb.bind("w", w_value) if w_value else None
     out = kb.bind("out", ctx.outs[0], writes=True)
     row, lid = kb.let("row", kb.gid(0)), kb.let("lid", kb.lid(0))
-    xr = kb.let("xr", kcast(I64, row) * N)
+    xr = kb.let("xr", cast(I64, row) * N)
     red = kb.array("red", F32, L, "local")
     acc = kb.let("acc", 0.0)
     with kb.loop("k", lid, N, L) as k:
         kb.set(acc, acc + x[xr + k] * x[xr + k])
     red[lid] = acc
     kb.wg_reduce(red, L, "sum")
-    r = kb.let("r", 1.0 / kcall("sqrt", (red[0] / N if mean else red[0]) + float(ctx.attr["eps"])))
+    r = kb.let("r", 1.0 / call("sqrt", (red[0] / N if mean else red[0]) + float(ctx.attr["eps"])))
     with kb.loop("k", lid, N, L) as k:
         value = x[xr + k] * r
-        out[xr + k] = value * access.weight_at(w_value.type.dtype, w, kconst(0), k, n) if w else value
-    kb.launch([kprod(x_value.type.shape[:-1])])
+        out[xr + k] = value * access.weight_at(w_value.type.dtype, w, const(0), k, n) if w else value
+    kb.launch([prod(x_value.type.shape[:-1])])
 
 
 @lowers("rmsnorm")
@@ -50,72 +49,124 @@ def l2norm(ctx: NodeCtx) -> None:
     _norm(ctx, mean=False)
 
 
+def _along(o: K, n: K, k: K, inner: K, r: K) -> K:
+    """Flat index of element k of the line (o, r) along an axis of n, with `inner` elements
+    after that axis; the product with `inner` is 64-bit, where a tensor may pass 2^31 elements."""
+    return cast(I64, o * n + k) * inner + r
+
+
 @lowers("softmax")
 def softmax(ctx: NodeCtx) -> None:
-    x = ctx.ins[0]
-    shape = x.type.shape
+    """A work-group per line along the axis: max, then the sum of exponentials, each reduced
+    in local memory."""
+    x_value = ctx.ins[0]
+    shape = x_value.type.shape
     a = ctx.attr.get("axis", -1) % len(shape)
     n, inner = shape[a], prod(shape[a + 1:])
     L, N = _row_threads(n), dim(n)
-    at = f"(I64(o * {N} + k) * {inner} + r)"
-    body = (f"  int line = GID(0), lid = LID(0), o = line / {inner}, r = line % {inner};\n"
-            f"  LOCAL float red[{L}];\n  float m = -INFINITY, s = 0.0f;\n"
-            f"  for (int k = lid; k < {N}; k += {L}) m = fmaxf(m, x[{at}]);\n  red[lid] = m;\n"
-            + group_reduce("red", L, "max") +
-            f"  m = red[0];\n  BARRIER();\n"
-            f"  for (int k = lid; k < {N}; k += {L}) s += expf(x[{at}] - m);\n  red[lid] = s;\n"
-            + group_reduce("red", L, "sum") +
-            f"  s = red[0];\n"
-            f"  for (int k = lid; k < {N}; k += {L}) out[{at}] = expf(x[{at}] - m) / s;\n")
-    ctx.launch("softmax", body, buffers=[("x", x, False), ("out", ctx.outs[0], True)],
-               groups=[prod(shape[:a] + shape[a + 1:])], local=(L,))
+    kb = ctx.kernel("softmax", local=(L,))
+    x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)
+    line, lid = kb.let("line", kb.gid(0)), kb.let("lid", kb.lid(0))
+    o, r = kb.let("o", line / inner), kb.let("r", line % inner)
+    red = kb.array("red", F32, L, "local")
+    m, s = kb.let("m", float("-inf")), kb.let("s", 0.0)
+    with kb.loop("k", lid, N, L) as k:
+        kb.set(m, maximum(m, x[_along(o, N, k, inner, r)]))
+    red[lid] = m
+    kb.wg_reduce(red, L, "max")
+    kb.set(m, red[0])
+    kb.barrier()  # every thread has read red[0] before it is overwritten
+    with kb.loop("k", lid, N, L) as k:
+        kb.set(s, s + call("exp", x[_along(o, N, k, inner, r)] - m))
+    red[lid] = s
+    kb.wg_reduce(red, L, "sum")
+    kb.set(s, red[0])
+    with kb.loop("k", lid, N, L) as k:
+        at = _along(o, N, k, inner, r)
+        out[at] = call("exp", x[at] - m) / s
+    kb.launch([prod(shape[:a] + shape[a + 1:])])
 
 
 @lowers("argmax")
 def argmax(ctx: NodeCtx) -> None:
-    x = ctx.ins[0]
-    n = x.type.shape[-1]
+    """A work-group per row: each thread's first maximum, then a tree over (value, index)
+    pairs in local memory that keeps the lower index on ties, as numpy does."""
+    x_value = ctx.ins[0]
+    n = x_value.type.shape[-1]
     L, N = _row_threads(n), dim(n)
-    body = (f"  int row = GID(0), lid = LID(0);\n  i64 xr = I64(row) * {N};\n"
-            f"  LOCAL float bv[{L}];\n  LOCAL int bi[{L}];\n  float v = -INFINITY;\n  int at = {N};\n"
-            f"  for (int k = lid; k < {N}; k += {L}) if (x[xr + k] > v || at == {N}) {{ v = x[xr + k]; at = k; }}\n"
-            f"  bv[lid] = v;\n  bi[lid] = at;\n  BARRIER();\n"
-            f"  for (int s = {L // 2}; s > 0; s >>= 1) {{\n"
-            f"    if (lid < s && (bv[lid + s] > bv[lid] || (bv[lid + s] == bv[lid] && bi[lid + s] < bi[lid]))) {{\n"
-            f"      bv[lid] = bv[lid + s];\n      bi[lid] = bi[lid + s];\n    }}\n    BARRIER();\n  }}\n"
-            f"  if (lid == 0) out[row] = bi[0];\n")
-    ctx.launch("argmax", body, buffers=[("x", x, False), ("out", ctx.outs[0], True)],
-               groups=[prod(x.type.shape[:-1])], local=(L,))
+    kb = ctx.kernel("argmax", local=(L,))
+    x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)
+    row, lid = kb.let("row", kb.gid(0)), kb.let("lid", kb.lid(0))
+    xr = kb.let("xr", cast(I64, row) * N)
+    best_v, best_i = kb.array("bv", F32, L, "local"), kb.array("bi", I32, L, "local")
+    v, at = kb.let("v", float("-inf")), kb.let("at", N)
+    with kb.loop("k", lid, N, L) as k:
+        with kb.if_((x[xr + k] > v) | at.eq(N)):
+            kb.set(v, x[xr + k])
+            kb.set(at, k)
+    best_v[lid], best_i[lid] = v, at
+    kb.barrier()
+    s = var("s")
+    with kb.loop("s", L // 2, cond=s > 0, next=s >> 1):
+        other = lid + s
+        better = (best_v[other] > best_v[lid]) | (best_v[other].eq(best_v[lid]) & (best_i[other] < best_i[lid]))
+        with kb.if_((lid < s) & better):
+            best_v[lid], best_i[lid] = best_v[other], best_i[other]
+        kb.barrier()
+    with kb.if_(lid.eq(0)):
+        out[row] = best_i[0]
+    kb.launch([prod(x_value.type.shape[:-1])])
 
 
 @lowers("topk")
 def topk(ctx: NodeCtx) -> None:
-    """Pass p picks the largest (value, -index) strictly after pass p-1's pick in that order,
-    so ties go to the lower index as in a stable descending sort."""
-    x = ctx.ins[0]
-    k, N = ctx.attr["k"], dim(x.type.shape[-1])
-    rows = prod(x.type.shape[:-1])
-    body = (f"  int row = GID(0) * {FLAT} + LID(0);\n  if (row >= {rows}) return;\n"
-            f"  i64 xr = I64(row) * {N};\n  float pv = INFINITY;\n  int pi = -1;\n"
-            f"  for (int p = 0; p < {k}; ++p) {{\n    float bv = -INFINITY;\n    int bi = -1;\n"
-            f"    for (int j = 0; j < {N}; ++j) {{\n      float v = x[xr + j];\n"
-            f"      if ((v < pv || (v == pv && j > pi)) && (bi < 0 || v > bv)) {{ bv = v; bi = j; }}\n    }}\n"
-            f"    values[row * {k} + p] = bv;\n    indices[row * {k} + p] = bi;\n    pv = bv;\n    pi = bi;\n  }}\n")
-    values, indices = ctx.outs
-    ctx.launch("topk", body, buffers=[("x", x, False), ("values", values, True), ("indices", indices, True)],
-               groups=[cdiv(rows, FLAT)])
+    """A thread per row (k is small). Pass p picks the largest (value, -index) strictly after
+    pass p-1's pick in that order, so ties go to the lower index as in a stable descending sort."""
+    x_value = ctx.ins[0]
+    k, N = ctx.attr["k"], dim(x_value.type.shape[-1])
+    rows = prod(x_value.type.shape[:-1])
+    kb = ctx.kernel("topk", local=(FLAT,))
+    x = kb.bind("x", x_value)
+    values, indices = kb.bind("values", ctx.outs[0], writes=True), kb.bind("indices", ctx.outs[1], writes=True)
+    row = flat_index(kb, rows, "row")
+    xr = kb.let("xr", cast(I64, row) * N)
+    prev_v, prev_i = kb.let("pv", float("inf")), kb.let("pi", -1)
+    with kb.loop("p", 0, k) as p:
+        best_v, best_i = kb.let("bv", float("-inf")), kb.let("bi", -1)
+        with kb.loop("j", 0, N) as j:
+            v = kb.let("v", x[xr + j])
+            after_prev = (v < prev_v) | (v.eq(prev_v) & (j > prev_i))
+            with kb.if_(after_prev & ((best_i < 0) | (v > best_v))):
+                kb.set(best_v, v)
+                kb.set(best_i, j)
+        values[row * k + p], indices[row * k + p] = best_v, best_i
+        kb.set(prev_v, best_v)
+        kb.set(prev_i, best_i)
+    kb.launch([cdiv(rows, FLAT)])
 
 
 @lowers("sum")
 def sum_(ctx: NodeCtx) -> None:
-    x = ctx.ins[0]
-    shape = x.type.shape
+    """A thread per output element; floats Kahan-compensated, so the sum stays within an ulp
+    or two whatever the length."""
+    x_value = ctx.ins[0]
+    shape = x_value.type.shape
     a = ctx.attr["axis"] % len(shape)
     n, inner = dim(shape[a]), prod(shape[a + 1:])
-    at = f"x0[I64(o * {n} + j) * {inner} + r]"
-    if x.type.dtype is DType.I32:
-        loop = f"  int s = 0;\n  for (int j = 0; j < {n}; ++j) s += {at};\n"
-    else:  # Kahan: the sum stays within an ulp or two whatever the length
-        loop = (f"  float s = 0.0f, c = 0.0f;\n"
-                f"  for (int j = 0; j < {n}; ++j) {{ float y = {at} - c, t = s + y; c = (t - s) - y; s = t; }}\n")
-    flat_launch(ctx, f"  int o = i / {inner}, r = i % {inner};\n{loop}  out[i] = s;\n")
+
+    def compute(kb, i, xs, out):
+        o, r = kb.let("o", i / inner), kb.let("r", i % inner)
+        exact = x_value.type.dtype is DType.I32
+        s = kb.let("s", 0 if exact else 0.0)
+        c = None if exact else kb.let("c", 0.0)
+        with kb.loop("j", 0, n) as j:
+            value = xs[0][_along(o, n, j, inner, r)]
+            if exact:
+                kb.set(s, s + value)
+            else:
+                y = kb.let("y", value - c)
+                t = kb.let("t", s + y)
+                kb.set(c, (t - s) - y)
+                kb.set(s, t)
+        out[i] = s
+    flat_launch(ctx, compute)

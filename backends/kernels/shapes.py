@@ -9,13 +9,14 @@ from typing import Callable, Sequence
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
-from ..kir import K, const
+from ..kir import K, KernelBuilder, const
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim
 
 FLAT = 256  # work-group size of one-thread-per-element kernels
 
-__all__ = ["FLAT", "dim", "prod", "cdiv", "coord", "broadcast_index", "flat_launch", "pow2_threads"]
+__all__ = ["FLAT", "dim", "prod", "cdiv", "coord", "broadcast_index", "flat_launch", "flat_index",
+           "pow2_threads"]
 
 
 def prod(dims: Sequence[Dim]) -> K:
@@ -69,10 +70,16 @@ def flat_launch(ctx: NodeCtx, compute: Callable[[KernelSpec, K, list[Buffer], Bu
     xs = [kb.bind(f"x{n}", v) for n, v in enumerate(ctx.ins if inputs is None else inputs)]
     out = kb.bind("out", out_value, writes=True)
     total = prod(out_value.type.shape)
-    i = kb.let("i", kb.gid(0) * FLAT + kb.lid(0))
-    kb.return_if(i >= total)
-    compute(kb, i, xs, out)
+    compute(kb, flat_index(kb, total), xs, out)
     kb.launch([cdiv(total, FLAT)])
+
+
+def flat_index(kb: KernelBuilder, total: K, name: str = "i") -> K:
+    """This thread's index in a launch of cdiv(total, FLAT) groups of FLAT threads; the
+    threads past `total` return."""
+    i = kb.let(name, kb.gid(0) * FLAT + kb.lid(0))
+    kb.return_if(i >= total)
+    return i
 
 
 def pow2_threads(n: int, most: int = 256, least: int = 32) -> int:

@@ -62,7 +62,9 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
     """Open and validate the files and build the graphs, optimised at `opt_level` (see
     dflash_ir.passes.pipeline; `dump_dir` gets the IR after each pass). Tap layers come from
     the draft, or from `taps` (HF 0-based layer ids) for a target alone."""
-    from dflash_ir.models.config import DraftConfig, TargetConfig, check_pair, validate_tensors
+    from dflash_ir.models.checks import check_pair
+    from dflash_ir.models.config import DraftConfig, TargetConfig
+    from dflash_ir.models.tensors import validate_tensors
     from dflash_ir.models.dflash import DFlashBuilder
     from dflash_ir.models.gguf_file import open_gguf
     from dflash_ir.models.qwen35 import GraphSpec, Qwen35Builder

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dflash_ir.models.config import DraftConfig, TargetConfig, check_draft, interval_pattern
+from dflash_ir.models.checks import check_draft
+from dflash_ir.models.config import DraftConfig, TargetConfig, interval_pattern
 from dflash_ir.models.generator import GGUFPlan, draft_plan, target_plan, write_gguf
 
 Arrays = Mapping[str, np.ndarray]

@@ -6,14 +6,9 @@ import re
 
 import numpy as np
 import pytest
-from dflash_ir.models.config import (
-    DraftConfig,
-    ModelConfigError,
-    TargetConfig,
-    check_pair,
-    expected_tensors,
-    validate_tensors,
-)
+from dflash_ir.models.checks import check_pair
+from dflash_ir.models.config import DraftConfig, ModelConfigError, TargetConfig
+from dflash_ir.models.tensors import expected_tensors, validate_tensors
 from dflash_ir.models.generator import (
     TINY_MASK_ID,
     draft_plan,
@@ -252,6 +247,15 @@ BAD_TARGET_METADATA = [
         "tokenizer.ggml.tokens has 300 entries but token_embd.weight has 320",
     ),
     (lambda plan: plan.tensors.pop("token_embd.weight"), "tensor token_embd.weight is missing"),
+    # limits, checked before anything is sized from them
+    (set_key("qwen35.block_count", 5), r"qwen35.block_count = 5 declares more layers than the file has tensors for "
+                                        r"\(4 blocks blk.N\)"),
+    (set_key("qwen35.block_count", 10**8), r"qwen35.block_count = 100000000 declares more layers"),
+    (set_key("qwen35.rope.freq_base", float("nan")), r"qwen35.rope.freq_base = nan is not a finite number"),
+    (set_key("qwen35.attention.layer_norm_rms_epsilon", float("inf")),
+     r"qwen35.attention.layer_norm_rms_epsilon = inf is not a finite number"),
+    (set_key("qwen35.attention.layer_norm_rms_epsilon", -1e-6), r"layer_norm_rms_epsilon = -9\.9\d+e-07 must be positive"),
+    (set_key("qwen35.context_length", 2**31), r"qwen35.context_length = 2147483648 exceeds 2147483647"),
 ]
 
 
@@ -262,9 +266,14 @@ def test_bad_target_metadata(tmp_path, edit, message):
         TargetConfig.from_gguf(open_gguf(path))
 
 
-def test_bad_moe_metadata(tmp_path):
-    path = edited_target(tmp_path, set_key("qwen35moe.expert_used_count", 5), arch="qwen35moe")
-    with raises(path, "qwen35moe.expert_used_count = 5 exceeds expert_count = 4"):
+@pytest.mark.parametrize("edit, message", [
+    (set_key("qwen35moe.expert_used_count", 5), "qwen35moe.expert_used_count = 5 exceeds expert_count = 4"),
+    (set_key("qwen35moe.expert_count", 100000), r"qwen35moe.expert_count = 100000 exceeds 512 \(llama.cpp's"),
+    (set_key("qwen35moe.expert_used_count", 0), "qwen35moe.expert_used_count = 0 must be positive"),
+])
+def test_bad_moe_metadata(tmp_path, edit, message):
+    path = edited_target(tmp_path, edit, arch="qwen35moe")
+    with raises(path, message):
         TargetConfig.from_gguf(open_gguf(path))
 
 
@@ -292,7 +301,6 @@ BAD_TARGET_TENSORS = [
         r"tensor blk.0.attn_norm.weight has type Q8_0, which is not supported for it \(supported: BF16, F16, F32\)",
     ),
     (lambda plan: plan.set_tensor("blk.4.attn_norm.weight", (64,)), "unexpected tensor blk.4.attn_norm.weight"),
-    (set_key("qwen35.block_count", 5), r"tensor blk.4.attn_norm.weight is missing"),
     (lambda plan: plan.set_tensor("output.weight", (320, 64)), "unexpected tensor output.weight"),
 ]
 
@@ -318,6 +326,10 @@ def edited_draft(tmp_path, edit, target=None, **overrides):
 BAD_DRAFT = [
     (del_key("tokenizer.ggml.mask_token_id"), r"tokenizer.ggml.mask_token_id \(or dflash.mask_token_id\) is missing"),
     (set_key("dflash.block_size", 1), "dflash.block_size = 1 must be at least 2"),
+    (set_key("dflash.block_size", 10**6), r"dflash.block_size = 1000000 exceeds 256 \(a block is verified in one batch"),
+    (set_key("dflash.block_count", 10**8), r"dflash.block_count = 100000000 declares more layers than the file has"),
+    (set_key("dflash.rope.freq_base", float("-inf")), r"dflash.rope.freq_base = -inf is not a finite number"),
+    (set_key("tokenizer.ggml.mask_token_id", "5"), r"tokenizer.ggml.mask_token_id = '5' is not an integer"),
     (set_key("dflash.target_layers", [0, 2]), r"dflash.target_layers = \[0, 2\] must be a non-empty list of ids >= 1"),
     (del_key("dflash.attention.head_count"), "metadata key dflash.attention.head_count is missing"),
     (

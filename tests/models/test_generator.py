@@ -15,12 +15,8 @@ import re
 import jinja2
 import numpy as np
 import pytest
-from dflash_ir.models.config import (
-    DraftConfig,
-    TargetConfig,
-    converter_keeps_f32,
-    validate_tensors,
-)
+from dflash_ir.models.config import DraftConfig, TargetConfig
+from dflash_ir.models.tensors import converter_keeps_f32, validate_tensors
 from dflash_ir.models.generator import (
     TINY_MASK_ID,
     TINY_MIN_VOCAB,

@@ -3,19 +3,90 @@
 Attention: a work-group per (query row, q head) walks the visible keys in tiles of its
 thread count with an online softmax (running max and sum, flash-attention style): each
 thread scores one key of the tile, and owns a slice of the output dims it accumulates.
-The CPU profile gives the whole (row, head) to one work-item instead (`_cpu_body`).
+The CPU profile gives the whole (row, head) to one work-item instead (`_cpu_schedule`).
 kv_len is read on the device, so one launch serves every cache fill.
 """
 from __future__ import annotations
 
-from dflash_ir.ir import Value
+from dataclasses import dataclass
+from typing import Callable
 
-from ..lowering import NodeCtx, attention_epilogue, attention_prologue, lowers
-from .common import FLAT, cdiv, dim, f32, flat_launch, group_reduce, prod, read, write
+from dflash_ir.ir import Value
+from dflash_ir.types import Dim
+
+from ..kir import F32, I64, K, call, cast, maximum, minimum, select, var
+from ..kir.build import Buffer
+from ..lowering import KernelSpec, NodeCtx, attention_epilogue, attention_prologue, dim, lowers
+from .access import read, write
+from .shapes import FLAT, cdiv, flat_index, flat_launch, prod
 
 THREADS = 64
 KEY_CHUNK = 32   # CPU schedule: keys scored between two rescales of the output row
 LANES = 8        # CPU schedule: partial sums of a q.k dot product
+NEG_INF = float("-inf")
+
+
+def _head_start(row: K, heads: int, head: K, width: Dim) -> K:
+    """Offset of (row, head, 0) in a [rows, heads, width] tensor."""
+    return (cast(I64, row) * heads + head) * dim(width)
+
+
+@dataclass(frozen=True)
+class _Cache:
+    """The key and value rows of kv head `kh` as a kernel reads them: the cache's rows, or,
+    with `new`, rows [p0, p0 + count) read from the new rows instead, so attention sees
+    kv_write(cache, new, p0) without the cache being written."""
+
+    k: Buffer
+    v: Buffer
+    heads: int
+    kh: K
+    d: Dim
+    dv: Dim
+    new: tuple[Buffer, Buffer, K, K] | None = None  # k rows, v rows, p0, their count
+
+    def key(self, kb: KernelSpec, j: K) -> Callable[[K], K]:
+        """Declares where key j's row starts; returns element e of that row."""
+        if self.new is None:
+            kr = kb.let("kr", self._start(j, self.d))
+            return lambda e: self.k[kr + e]
+        kn, _, p0, count = self.new
+        fresh = kb.let("fresh", (j >= p0) & (j < p0 + count))
+        kr = kb.let("kr", self._start(select(fresh, j - p0, j), self.d))
+        return lambda e: select(fresh, kn[kr + e], self.k[kr + e])
+
+    def value(self, r: K, c: K) -> K:
+        """Element c of value row r."""
+        cached = self.v[self._start(r, self.dv) + c]
+        if self.new is None:
+            return cached
+        _, vn, p0, count = self.new
+        return select((r >= p0) & (r < p0 + count), vn[self._start(r - p0, self.dv) + c], cached)
+
+    def _start(self, r: K, width: Dim) -> K:
+        return _head_start(r, self.heads, self.kh, width)
+
+
+@dataclass(frozen=True)
+class _Query:
+    """What both schedules attend with: query row `row`, q head `h` of `heads`, over keys
+    [lo, hi) of `cache`, the output row written to `out`."""
+
+    q: Buffer
+    out: Buffer
+    row: K
+    h: K
+    heads: int
+    lo: K
+    hi: K
+    cache: _Cache
+    scale: float
+
+    def q_start(self) -> K:
+        return _head_start(self.row, self.heads, self.h, self.cache.d)
+
+    def out_start(self) -> K:
+        return _head_start(self.row, self.heads, self.h, self.cache.dv)
 
 
 def attention_launch(ctx: NodeCtx, q: Value, k: Value, v: Value, kv_len: Value, out: Value, *, scale: float,
@@ -26,82 +97,131 @@ def attention_launch(ctx: NodeCtx, q: Value, k: Value, v: Value, kv_len: Value, 
     cap, hkv, _ = k.type.shape
     dv = v.type.shape[2]
     ctx.check("attention", kv_len, size=dim(cap), rows=dim(t), flags=("ordered",) if causal or window else ())
-    L, T, D, DV = THREADS, dim(t), dim(d), dim(dv)
-    per = -(-dv // L)
-    hi = "min(n, qpos + 1)" if causal else "n"
-    lo = f"max(0, qpos - {window - 1})" if window else "0"
-    # key j's row starts at kr in k; value row r is read at column c
-    key_row = f"      i64 kr = (I64(j) * {hkv} + kh) * {D};\n"
-    key, value = "k[kr + e]", f"v[(I64(r) * {hkv} + kh) * {DV} + c]"
-    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("kv_len", kv_len, False)]
+    cpu = ctx.profile == "cpu"
+    kb = ctx.kernel("attention_rows" if cpu else "attention", local=(1,) if cpu else (THREADS,))
+    q_buf, k_buf, v_buf, kv_len_buf = (kb.bind(name, x) for name, x in zip(("q", "k", "v", "kv_len"),
+                                                                           (q, k, v, kv_len)))
+    new_bufs = [kb.bind(name, x) for name, x in zip(("kn", "vn", "pos"), new or ())]
+    out_buf = kb.bind("out", out, writes=True)
+    row, h = kb.let("row", kb.gid(0)), kb.let("h", kb.gid(1))
+    lid = None if cpu else kb.let("lid", kb.lid(0))
+    kh = kb.let("kh", h / (hq // hkv))
+    lo, hi = _visible_keys(kb, minimum(kv_len_buf[0], dim(cap)), dim(t), row, causal, window)
+    new_rows = None
     if new:
-        rows = dim(new[0].type.shape[0])
-        key_row = (f"      bool fresh = j >= p0 && j < p0 + {rows};\n"
-                   f"      i64 kr = (I64(fresh ? j - p0 : j) * {hkv} + kh) * {D};\n")
-        key = f"(fresh ? kn[kr + e] : {key})"
-        value = f"(r >= p0 && r < p0 + {rows} ? vn[(I64(r - p0) * {hkv} + kh) * {DV} + c] : {value})"
-        buffers += [("kn", new[0], False), ("vn", new[1], False), ("pos", new[2], False)]
-    qpos = f", qpos = n - {T} + row" if causal or window else ""
-    if ctx.profile == "cpu":
-        body = _cpu_body(hq, hkv, d, dv, cap, qpos, hi, lo, ", p0 = pos[0]" if new else "", key_row, key, value, scale)
-        ctx.launch("attention_rows", body, buffers=buffers + [("out", out, True)], groups=[T, str(hq)], local=(1,))
-        return
-    body = (f"  int row = GID(0), h = GID(1), lid = LID(0), kh = h / {hq // hkv};\n"
-            f"  int n = min(kv_len[0], {dim(cap)}){qpos};\n"
-            f"  int hi = {hi}, lo = {lo}{', p0 = pos[0]' if new else ''};\n"
-            f"  LOCAL float qs[{d}];\n  LOCAL float p[{L}];\n  LOCAL float red[{L}];\n"
-            f"  for (int e = lid; e < {D}; e += {L}) qs[e] = q[(I64(row) * {hq} + h) * {D} + e];\n"
-            f"  float m = -INFINITY, l = 0.0f, acc[{per}];\n"
-            f"  for (int e = 0; e < {per}; ++e) acc[e] = 0.0f;\n"
-            f"  for (int base = lo; base < hi; base += {L}) {{\n"
-            f"    int j = base + lid;\n    float s = -INFINITY;\n    BARRIER();\n"
-            f"    if (j < hi) {{\n{key_row}"
-            f"      float qk = 0.0f;\n      for (int e = 0; e < {D}; ++e) qk += qs[e] * {key};\n"
-            f"      s = qk * {f32(scale)};\n    }}\n"
-            f"    red[lid] = s;\n" + _indent(group_reduce("red", L, "max")) +
-            "    float mt = fmaxf(m, red[0]);\n    float pj = j < hi ? expf(s - mt) : 0.0f;\n"
-            "    BARRIER();\n    p[lid] = pj;\n    red[lid] = pj;\n" + _indent(group_reduce("red", L, "sum")) +
-            f"    float alpha = expf(m - mt);\n    l = l * alpha + red[0];\n    m = mt;\n"
-            f"    int count = min({L}, hi - base);\n"
-            f"    for (int e = 0; e < {per}; ++e) {{\n      int c = lid + e * {L};\n      float a = acc[e] * alpha;\n"
-            f"      if (c < {DV}) for (int jj = 0; jj < count; ++jj) {{ int r = base + jj; a += p[jj] * {value}; }}\n"
-            f"      acc[e] = a;\n    }}\n  }}\n"
-            f"  for (int e = 0; e < {per}; ++e) {{\n    int c = lid + e * {L};\n"
-            f"    if (c < {DV}) out[(I64(row) * {hq} + h) * {DV} + c] = acc[e] / l;\n  }}\n")
-    ctx.launch("attention", body, buffers=buffers + [("out", out, True)], groups=[T, str(hq)], local=(L,))
+        kn, vn, pos = new_bufs
+        new_rows = (kn, vn, kb.let("p0", pos[0]), dim(new[0].type.shape[0]))
+    query = _Query(q_buf, out_buf, row, h, hq, lo, hi, _Cache(k_buf, v_buf, hkv, kh, d, dv, new_rows), scale)
+    if cpu:
+        _cpu_schedule(kb, query)
+    else:
+        _gpu_schedule(kb, query, lid)
+    kb.launch([dim(t), hq])
 
 
-def _cpu_body(hq, hkv, d, dv, cap, qpos, hi, lo, p0, key_row, key, value, scale) -> str:
+def _visible_keys(kb: KernelSpec, kv_len: K, rows: K, row: K, causal: bool, window: int) -> tuple[K, K]:
+    """Keys [lo, hi) that query `row` sees, the `rows` queries being the last rows of the
+    first kv_len cache rows: up to its own position when causal, at most `window` back."""
+    n = kb.let("n", kv_len)
+    qpos = kb.let("qpos", n - rows + row) if causal or window else None
+    hi = kb.let("hi", minimum(n, qpos + 1) if causal else n)
+    lo = kb.let("lo", maximum(0, qpos - (window - 1)) if window else 0)
+    return lo, hi
+
+
+def _gpu_schedule(kb: KernelSpec, query: _Query, lid: K) -> None:
+    """A work-group of THREADS per (row, head): each tile of keys is scored a key per
+    thread, its max and sum reduced in local memory, then each thread adds the tile's
+    weighted values to its output dims (lid, lid + THREADS, ...)."""
+    d, dv, L = query.cache.d, query.cache.dv, THREADS
+    per = -(-dv // L)
+    qs = kb.array("qs", F32, d, "local")
+    p = kb.array("p", F32, L, "local")
+    red = kb.array("red", F32, L, "local")
+    with kb.loop("e", lid, dim(d), L) as e:
+        qs[e] = query.q[query.q_start() + e]
+    m, l = kb.let("m", NEG_INF), kb.let("l", 0.0)
+    acc = kb.array("acc", F32, per)
+    with kb.loop("e", 0, per) as e:
+        acc[e] = 0.0
+    with kb.loop("base", query.lo, query.hi, L) as base:
+        j = kb.let("j", base + lid)
+        s = kb.let("s", NEG_INF)
+        kb.barrier()
+        with kb.if_(j < query.hi):
+            key = query.cache.key(kb, j)
+            qk = kb.let("qk", 0.0)
+            with kb.loop("e", 0, dim(d)) as e:
+                kb.set(qk, qk + qs[e] * key(e))
+            kb.set(s, qk * query.scale)
+        red[lid] = s
+        kb.wg_reduce(red, L, "max")
+        mt = kb.let("mt", maximum(m, red[0]))
+        pj = kb.let("pj", select(j < query.hi, call("exp", s - mt), 0.0))
+        kb.barrier()
+        p[lid] = pj
+        red[lid] = pj
+        kb.wg_reduce(red, L, "sum")
+        alpha = kb.let("alpha", call("exp", m - mt))
+        kb.set(l, l * alpha + red[0])
+        kb.set(m, mt)
+        count = kb.let("count", minimum(L, query.hi - base))
+        with kb.loop("e", 0, per) as e:
+            c = kb.let("c", lid + e * L)
+            acc_e = kb.let("a", acc[e] * alpha)
+            with kb.if_(c < dim(dv)):
+                with kb.loop("jj", 0, count) as jj:
+                    r = kb.let("r", base + jj)
+                    kb.set(acc_e, acc_e + p[jj] * query.cache.value(r, c))
+            acc[e] = acc_e
+    with kb.loop("e", 0, per) as e:
+        c = kb.let("c", lid + e * L)
+        with kb.if_(c < dim(dv)):
+            query.out[query.out_start() + c] = acc[e] / l
+
+
+def _cpu_schedule(kb: KernelSpec, query: _Query) -> None:
     """CPU schedule: one work-item per (query row, q head) walks the visible keys in chunks
     of KEY_CHUNK, scores them with LANES independent partial sums (a vectorisable dot
     product), then rescales its private output row once per chunk (online softmax)."""
+    d, dv = query.cache.d, query.cache.dv
     D, DV = dim(d), dim(dv)
-    tail = "" if isinstance(d, int) and d % LANES == 0 else f" && e0 + e1 < {D}"
-    return (f"  int row = GID(0), h = GID(1), kh = h / {hq // hkv};\n"
-            f"  int n = min(kv_len[0], {dim(cap)}){qpos};\n"
-            f"  int hi = {hi}, lo = {lo}{p0};\n"
-            f"  i64 qr = (I64(row) * {hq} + h) * {D};\n"
-            f"  float m = -INFINITY, l = 0.0f, acc[{dv}], sc[{KEY_CHUNK}], part[{LANES}];\n"
-            f"  for (int c = 0; c < {DV}; ++c) acc[c] = 0.0f;\n"
-            f"  for (int base = lo; base < hi; base += {KEY_CHUNK}) {{\n"
-            f"    int count = min({KEY_CHUNK}, hi - base);\n    float mt = m;\n"
-            f"    for (int jj = 0; jj < count; ++jj) {{\n      int j = base + jj;\n{key_row}"
-            f"      for (int e = 0; e < {LANES}; ++e) part[e] = 0.0f;\n"
-            f"      for (int e0 = 0; e0 < {D}; e0 += {LANES})\n"
-            f"        for (int e1 = 0; e1 < {LANES}{tail}; ++e1) {{ int e = e0 + e1; part[e1] += q[qr + e] * {key}; }}\n"
-            f"      float qk = 0.0f;\n      for (int e = 0; e < {LANES}; ++e) qk += part[e];\n"
-            f"      sc[jj] = qk * {f32(scale)};\n      mt = fmaxf(mt, sc[jj]);\n    }}\n"
-            f"    float alpha = expf(m - mt);\n    l *= alpha;\n"
-            f"    for (int c = 0; c < {DV}; ++c) acc[c] *= alpha;\n"
-            f"    for (int jj = 0; jj < count; ++jj) {{\n      int r = base + jj;\n      float pj = expf(sc[jj] - mt);\n"
-            f"      l += pj;\n      for (int c = 0; c < {DV}; ++c) acc[c] += pj * {value};\n    }}\n"
-            f"    m = mt;\n  }}\n"
-            f"  i64 orow = (I64(row) * {hq} + h) * {DV};\n"
-            f"  for (int c = 0; c < {DV}; ++c) out[orow + c] = acc[c] / l;\n")
-
-
-def _indent(code: str) -> str:
-    return "".join("  " + line + "\n" for line in code.splitlines())
+    ragged = not (isinstance(d, int) and d % LANES == 0)  # the last e0 step stops at D
+    qr = kb.let("qr", query.q_start())
+    m, l = kb.let("m", NEG_INF), kb.let("l", 0.0)
+    acc, sc, part = (kb.array(name, F32, size) for name, size in (("acc", dv), ("sc", KEY_CHUNK), ("part", LANES)))
+    with kb.loop("c", 0, DV) as c:
+        acc[c] = 0.0
+    with kb.loop("base", query.lo, query.hi, KEY_CHUNK) as base:
+        count = kb.let("count", minimum(KEY_CHUNK, query.hi - base))
+        mt = kb.let("mt", m)
+        with kb.loop("jj", 0, count) as jj:
+            key = query.cache.key(kb, kb.let("j", base + jj))
+            with kb.loop("e", 0, LANES) as e:
+                part[e] = 0.0
+            with kb.loop("e0", 0, D, LANES) as e0:
+                with kb.loop("e1", 0, LANES, cond=e0 + var("e1") < D if ragged else None) as e1:
+                    e = kb.let("e", e0 + e1)
+                    part[e1] += query.q[qr + e] * key(e)
+            qk = kb.let("qk", 0.0)
+            with kb.loop("e", 0, LANES) as e:
+                kb.set(qk, qk + part[e])
+            sc[jj] = qk * query.scale
+            kb.set(mt, maximum(mt, sc[jj]))
+        alpha = kb.let("alpha", call("exp", m - mt))
+        kb.set(l, l * alpha)
+        with kb.loop("c", 0, DV) as c:
+            acc[c] *= alpha
+        with kb.loop("jj", 0, count) as jj:
+            r = kb.let("r", base + jj)
+            pj = kb.let("pj", call("exp", sc[jj] - mt))
+            kb.set(l, l + pj)
+            with kb.loop("c", 0, DV) as c:
+                acc[c] += pj * query.cache.value(r, c)
+        kb.set(m, mt)
+    orow = kb.let("orow", query.out_start())
+    with kb.loop("c", 0, DV) as c:
+        query.out[orow + c] = acc[c] / l
 
 
 @lowers("attention")
@@ -118,17 +238,21 @@ def kv_write(ctx: NodeCtx) -> None:
     dropped on the device; the host check reports the overflow first."""
     cache, new, pos = ctx.ins
     out = ctx.outs[0]
-    capacity, row, total = dim(cache.type.shape[0]), prod(cache.type.shape[1:]), prod(new.type.shape)
+    capacity, row = dim(cache.type.shape[0]), prod(cache.type.shape[1:])
     ctx.check("kv_write", pos, size=capacity, rows=dim(new.type.shape[0]))
     if ctx.can_overwrite(cache):
         ctx.alias(out, cache)
     else:
-        flat_launch(ctx, f"  {write(out, 'out', 'i', read(cache, 'x0', 'i'))}\n", inputs=[cache], op="copy")
-    body = (f"  int i = GID(0) * {FLAT} + LID(0);\n  if (i >= {total}) return;\n"
-            f"  i64 at = I64(pos[0]) * {row} + i;\n"
-            f"  if (pos[0] >= 0 && at < I64({capacity}) * {row}) {write(out, 'out', 'at', read(new, 'new_rows', 'i'))}\n")
-    ctx.launch("kv_write", body, buffers=[("new_rows", new, False), ("pos", pos, False), ("out", out, True)],
-               groups=[cdiv(total, FLAT)])
+        flat_launch(ctx, lambda kb, i, xs, out_buf: write(out, out_buf, i, read(cache, xs[0], i)), inputs=[cache],
+                    op="copy")
+    kb = ctx.kernel("kv_write", local=(FLAT,))
+    new_rows, start, out_buf = kb.bind("new_rows", new), kb.bind("pos", pos), kb.bind("out", out, writes=True)
+    total = prod(new.type.shape)
+    i = flat_index(kb, total)
+    at = kb.let("at", cast(I64, start[0]) * row + i)
+    with kb.if_((start[0] >= 0) & (at < cast(I64, capacity) * row)):
+        write(out, out_buf, at, read(new, new_rows, i))
+    kb.launch([cdiv(total, FLAT)])
 
 
 @lowers("fused_attention")

@@ -118,7 +118,7 @@ def test_generation_defaults_come_from_the_flags(start, engine):
     assert r.usage.completion_tokens == 7 and r.choices[0].message.content == engine.tokenizer.decode(gen.tokens)
     assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
     t, spec = r.model_extra["timings"], r.model_extra["dflash"]
-    assert 0 < t["draft_n"] <= 4 * spec["rounds"]
+    assert t["draft_n"] <= 4 * spec["rounds"]
     assert "-t ignored" in server.log() and "--metrics ignored" in server.log()
 
 

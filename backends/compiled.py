@@ -1,4 +1,4 @@
-"""What the opencl, cuda and rocm backends share: lower a graph once, render its kernels in
+"""What the opencl, cuda and rocm backends share: lower a graph once, print its kernels in
 the backend's dialect, store the source (named by its hash, so programs with the same
 kernels share one file and one build) and the launch plan; load = plan + device + weights."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dflash_ir.interpreter import WeightLoader
 from dflash_ir.ir import Graph
 
 from .base import Backend
-from .cstyle import DIALECTS
+from .kir.build import FUNCTIONS
+from .kir.c import PRINTERS
 from .lowering import lower
 from .plan import Plan
 from .runner import DeviceProgram, Resident
@@ -26,8 +27,8 @@ class CompiledBackend(Backend):
     def write_source(self, graph: Graph, out_dir: Path) -> tuple[Plan, str, Path]:
         """Lower and render `graph`; returns the plan, the source and its path in out_dir."""
         plan = lower(graph)
-        dialect = DIALECTS[self.dialect]
-        source = dialect.render(plan.kernels.values())
+        dialect = PRINTERS[self.dialect]
+        source = dialect.render(plan.kernels.values(), tuple(FUNCTIONS.values()))
         digest = hashlib.sha256(source.encode()).hexdigest()[:16]
         path = Path(out_dir) / "kernels" / f"{self.dialect}-{digest}.{dialect.extension}"
         path.parent.mkdir(parents=True, exist_ok=True)

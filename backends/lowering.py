@@ -1,9 +1,10 @@
 """Graph -> launch plan: each node is lowered by the kernel builder registered for its op.
 
 Builders (`backends/kernels/*.py`) see a `NodeCtx`: the node's value types and attrs, and
-`launch(...)` to add a kernel launch. Kernels are specialised per node: concrete dims and
-attrs are baked into the body as constants; symbolic dims appear as `n_<symbol>` and
-become int parameters automatically. Besides kernels, lowering decides
+`kernel(...)`, a kernel builder (backends/kir) whose `launch` adds the launch. Kernels are
+specialised per node: concrete dims and attrs are constants in the tree; symbolic dims are
+`dim(d)`, the int parameter `n_<symbol>`, which kernels that use it take automatically.
+Besides kernels, lowering decides
 - constant steps: nodes computed from weights only run once, when the program loads;
 - aliases: a reshape is a view of its input's buffer;
 - in-place updates: a builder may write into an input whose buffer nobody reads later
@@ -21,27 +22,23 @@ kernel on the unrolled four-stream loops.
 """
 from __future__ import annotations
 
-import re
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph, Node, Value
 from dflash_ir.ops.registry import get_op
 from dflash_ir.types import TensorType
 
-from .cstyle import Buffer as TextBuffer, Kernel as TextKernel
 from .kir import K, KernelBuilder, const, var
 from .kir.build import Buffer
 from .kir.size import size_expr
-from .plan import Check, Launch, Plan, Step, compile_expr, packed_type, symbol_param
+from .plan import Check, Launch, Plan, Step, packed_type, symbol_param
 
 # the element type a value's buffer holds in kernels
 ELEMENT = {DType.F32: "f32", DType.F16: "u16", DType.BF16: "u16", DType.Q8_0: "u8", DType.I32: "i32",
            DType.I64: "i64", DType.BOOL: "u8"}
-CTYPES = {DType.F32: "float", DType.F16: "u16", DType.BF16: "u16", DType.Q8_0: "u8", DType.I32: "int",
-          DType.I64: "i64", DType.BOOL: "u8"}
 
-LOWERINGS: dict[str, Callable[["NodeCtx"], None]] = {}  # op -> C-style kernel builder
+LOWERINGS: dict[str, Callable[["NodeCtx"], None]] = {}  # op -> kernel builder
 PROFILES = ("gpu", "cpu")
 
 
@@ -200,22 +197,6 @@ class NodeCtx(NodeCtxBase):
         from . import kernels  # noqa: F401  (registers the builders)
 
         return LOWERINGS
-
-    def launch(self, op: str, body: str, *, buffers: Sequence[tuple[str, Value, bool]], groups: Iterable[str],
-               local: Sequence[int] = (256, 1, 1), when: str | None = None) -> None:
-        """Add a kernel launch: `buffers` are (param name, value, written?) in parameter order."""
-        local = tuple(local) + (1,) * (3 - len(local))
-        groups = tuple(_fold(g) for g in groups) + ("1",) * (3 - len(tuple(groups)))
-        ints = tuple(p for p in self._l.symbol_params if re.search(rf"\b{p}\b", body))
-        params = tuple(TextBuffer(name, CTYPES[v.type.dtype], writes) for name, v, writes in buffers)
-        kernel = TextKernel.make(op, params, ints, local, body)
-        self._l.plan.kernels.setdefault(kernel.name, kernel)
-        self.launches.append(Launch(kernel.name, tuple(v.name for _, v, _ in buffers), ints, groups, local, when))
-
-
-def _fold(expr: str) -> str:
-    """A size expression without symbols as its value ("cdiv(64, 256)" -> "1")."""
-    return expr if re.search(r"\bn_", expr) else str(compile_expr(expr)({}))
 
 
 class Lowering:

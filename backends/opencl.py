@@ -25,11 +25,13 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from dflash_ir.integrity import artifact_file
 from dflash_ir.ir import Graph
 
 from .base import BackendUnavailable, register_backend
 from .compiled import CompiledBackend
-from .cstyle import DIALECTS
+from .kir.build import FUNCTIONS
+from .kir.c import PRINTERS
 from .lowering import lower
 from .plan import Plan
 
@@ -170,22 +172,25 @@ class OpenCLBackend(CompiledBackend):
         device is present, so a kernel the device rejects fails at compile time."""
         profile = self.profile()
         plan = lower(graph, profile)
-        dialect = DIALECTS[self.dialect]
+        dialect = PRINTERS[self.dialect]
+        header = dialect.module_header(tuple(FUNCTIONS.values()))
         folder = Path(out_dir) / "kernels" / "opencl"
         folder.mkdir(parents=True, exist_ok=True)
-        files = {"header.cl": dialect.module_header(), **{f"{name}.cl": dialect.kernel_source(k)
+        files = {"header.cl": header, **{f"{name}.cl": dialect.kernel_source(k)
                                                    for name, k in plan.kernels.items()}}
         for name, text in files.items():  # kernel files are named by content; the header is not
             path = folder / name
             if not path.exists() or (name == "header.cl" and path.read_text() != text):
                 path.write_text(text)
         if self.unavailable_reason() is None:
-            _LIBRARY.add(dialect.module_header(), {n: dialect.kernel_source(k) for n, k in plan.kernels.items()})
+            _LIBRARY.add(header, {n: dialect.kernel_source(k) for n, k in plan.kernels.items()})
             _LIBRARY.build_pending()
         return {"dialect": self.dialect, "profile": profile, "sources": "kernels/opencl", "plan": plan.to_dict()}
 
     def device_for(self, entry: Mapping[str, Any], artifact_dir: Path) -> CLDevice:
-        folder = artifact_dir / entry["sources"]
+        def source(name: str) -> str:
+            return artifact_file(artifact_dir, f"{entry['sources']}/{name}.cl").read_text()
+
         names = Plan.from_dict(entry["plan"]).kernel_names()
-        _LIBRARY.add((folder / "header.cl").read_text(), {n: (folder / f"{n}.cl").read_text() for n in names})
+        _LIBRARY.add(source("header"), {n: source(n) for n in names})
         return CLDevice()

@@ -22,7 +22,7 @@ import numpy as np
 from dflash_ir.quant import pack_q8_0_split
 from dflash_ir.types import TensorType
 
-from .cstyle import Kernel
+from .kir.ir import Kernel
 
 # weight layouts a kernel may ask for: name -> storage bytes in that layout
 LAYOUTS = {"q8_0_split": pack_q8_0_split, "as_stored": np.ascontiguousarray}

@@ -147,23 +147,28 @@ for _rows in (1, 6):  # K = 34 Q8_0 blocks: two runs of 16 scales converted at o
 case("matmul_vector")(lambda c: c.out(c.b.matmul(c.x("x", (64,)), c.w("w", (5, 64), F16))))
 
 
-def _specialised(op: str, dtype: DType, form: str, residual: bool, act_quant: bool = False):
+def _specialised(op: str, dtype: DType, form: str, residual: bool, q8: bool = False, k: int = 128):
+    """q8: x quantised to Q8_0 first (the q8 numerics mode's integer products)."""
     def make(c: CaseBuilder) -> None:
-        x = c.x("x", ("T", 128))
+        x = c.x("x", ("T", k))
         extra = [c.x("r", ("T", 48))] if residual else []
-        c.out(c.b.op(op, x, c.w("w", (48, 128), dtype), *extra, form=form, K=128, N=48,
-                     layout=f"{dtype}_rowmajor", act_quant=act_quant))
+        c.out(c.b.op(op, c.b.op("quantize_q8_0", x) if q8 else x, c.w("w", (48, k), dtype), *extra, form=form,
+                     K=k, N=48, layout=f"{dtype}_rowmajor"))
     return make
 
 
 for _form, _t in (("gemv", 1), ("gemv", 3), ("gemv", 20), ("gemm", 37)):  # the form is a hint: rows decide
     case(f"matmul_q8_0_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, residual=_t == 3))
-    case(f"matmul_q8_0_act_quant_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, False, True))
+    case(f"matmul_q8_0_q8_x_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, _t == 20, q8=True))
     case(f"matmul_f16_residual_{_t}_rows", T=_t)(_specialised("matmul_f16", F16, _form, residual=True))
-for _dt, _t in ((Q8, 1), (Q8, 5), (F16, 3)):  # a q/k/v-like group: 24 + 8 + 36 columns, one launch
-    case(f"matmul_group_{_dt}_{_t}_rows", T=_t)(lambda c, dt=_dt: c.out(*c.b.matmul_group(
-        c.x("x", ("T", 64)), *(c.w(f"w{i}", (n, 64), dt) for i, n in enumerate((24, 8, 36))), op=OPS[dt],
-        form="gemv", K=64, Ns=(24, 8, 36), layout=f"{dt}_rowmajor", act_quant=False)))
+for _t in (1, 6):  # K = 34 blocks: scale runs of 16 and a tail of two, Q8_0 x Q8_0
+    case(f"matmul_q8_0_q8_x_scale_runs_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, "gemv", False, True, 1088))
+case("quantize_q8_0", T=5)(lambda c: c.out(c.b.op("quantize_q8_0", c.x("x", ("T", 3, 96), scale=4.0))))
+for _dt, _t, _q8 in ((Q8, 1, False), (Q8, 5, False), (F16, 3, False), (Q8, 4, True)):  # q/k/v-like: 24 + 8 + 36
+    case(f"matmul_group_{_dt}_{_t}_rows{'_q8_x' if _q8 else ''}", T=_t)(lambda c, dt=_dt, q8=_q8: c.out(
+        *c.b.matmul_group(c.b.op("quantize_q8_0", c.x("x", ("T", 64))) if q8 else c.x("x", ("T", 64)),
+                          *(c.w(f"w{i}", (n, 64), dt) for i, n in enumerate((24, 8, 36))), op=OPS[dt],
+                          form="gemv", K=64, Ns=(24, 8, 36), layout=f"{dt}_rowmajor")))
 for _dt in (F16, Q8):
     case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
         c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))

@@ -1,4 +1,4 @@
-"""The `vulkan` backend: kernels rendered as GLSL compute shaders (backends/glsl.py), compiled
+"""The `vulkan` backend: kernels printed as GLSL compute shaders (backends/kir/glsl.py), compiled
 to SPIR-V with glslangValidator, run through the Vulkan API (vulkan_device.py).
 
 Compiling needs only glslangValidator and spirv-val (no device). Every kernel is compiled
@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
+from dflash_ir.integrity import artifact_file
 from dflash_ir.interpreter import WeightLoader
 from dflash_ir.ir import Graph
 
@@ -73,7 +74,7 @@ def checked_features(physical: PhysicalDevice) -> frozenset[str]:
 
 
 def _variants() -> dict[str, Any]:
-    from .glsl import BASELINE, FULL
+    from .kir.glsl import BASELINE, FULL
 
     return {"full": FULL, "baseline": BASELINE}
 
@@ -139,7 +140,8 @@ class VulkanBackend(Backend):
 
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         """SPIR-V for every kernel and variant (needs glslangValidator, not a device)."""
-        from .glsl import compile_spirv, render_glsl
+        from .kir.glsl import render_glsl
+        from .spirv import compile_spirv
 
         profile = self.profile()
         plan = lower(graph, profile, row_streams=1)
@@ -168,6 +170,7 @@ class VulkanBackend(Backend):
             warnings.warn(f"Vulkan device {physical.describe()}: {note}", VariantFallback, stacklevel=2)
         device = open_device(physical, frozenset(entry["variants"][variant]["features"]) | checked_features(physical))
         plan = Plan.from_dict(entry["plan"])
-        folder = Path(artifact_dir) / entry["spirv"] / variant
-        device.add_kernels({name: (folder / f"{name}.spv").read_bytes() for name in plan.kernel_names()})
+        folder = f"{entry['spirv']}/{variant}"
+        device.add_kernels({name: artifact_file(artifact_dir, f"{folder}/{name}.spv").read_bytes()
+                            for name in plan.kernel_names()})
         return DeviceProgram(graph, plan, device, weights, self._resident.setdefault(device, Resident()))

@@ -16,7 +16,7 @@ buffers (record once, replay every decode step), which Kompute hides behind its 
   or synchronize, and the command buffer is kept by the batch's signature (kernels, groups,
   buffers, push constants, copy ranges) and submitted again when the same sequence comes
   back, as it does on every step of a decode or verify loop.
-- Shader interface (what backends/glsl.py renders): set 0, binding i = i-th buffer argument
+- Shader interface (what backends/kir/glsl.py prints): set 0, binding i = i-th buffer argument
   (storage buffer); push constants = the int arguments, int32 each at offset 4*i; entry `main`.
 - Lifetimes: every submission is waited for, and Vulkan objects are destroyed only between
   submissions. A garbage-collected buffer (the collector runs at any allocation, in any

@@ -5,7 +5,7 @@ up; a Gated DeltaNet layer's qkv, z, β and α (four products, two of them 16 ro
 Grouped, they are one kernel over all their weight rows side by side, so a decode token
 launches ~60 kernels fewer on a 16-layer model, and the narrow products stop being
 launches of their own. Members must be weights of one storage type with the same K, form
-and act_quant, and no fused residual; the outputs are exactly the members' (the group's
+and layout, and no fused residual; the outputs are exactly the members' (the group's
 reference runs them one by one).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dflash_ir.ir import Graph
 from dflash_ir.ops.specialised import OPS
 from dflash_ir.rewrite import P, Rule, V, rewrite
 
-_SHARED = ("form", "K", "layout", "act_quant")
+_SHARED = ("form", "K", "layout")
 
 
 def _members(emit, mm):

@@ -5,7 +5,9 @@
     -O2  canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_q8_0,
          fuse_elementwise, group_matmuls, canonicalise, plan_memory   (the default)
 
-`only` keeps just the named passes of the level, `skip` drops named ones. The graph is
+Numerics `q8` (default `exact`) adds quantize_activations after group_matmuls (after
+specialise_q8_0 at levels below 2): Q8_0 products take Q8_0 activations, as llama.cpp's CPU
+path does. `only` keeps just the named passes of the level, `skip` drops named ones. The graph is
 verified after every pass. With `dump_dir`, DIR/<graph name>/NN-<pass>.txt (the printer's
 text form, which parse_graph reads back) and .dot are written for the input (00-input)
 and after each pass, plus .png when graphviz's `dot` is installed.
@@ -28,6 +30,7 @@ from .fuse_gated_deltanet import fuse_gated_deltanet
 from .fuse_moe import fuse_moe
 from .group_matmuls import group_matmuls
 from .plan_memory import plan_memory
+from .quantize_activations import NUMERICS, quantize_activations
 from .specialise_q8_0 import specialise_q8_0
 
 Pass = Callable[[Graph], Graph]
@@ -35,11 +38,23 @@ PASSES: tuple[Pass, ...] = (canonicalise, fuse_attention, fuse_moe, fuse_gated_d
                             fuse_elementwise, group_matmuls, canonicalise, plan_memory)
 LEVELS: dict[int, tuple[Pass, ...]] = {0: (), 1: (canonicalise,), 2: PASSES}
 DEFAULT_LEVEL = 2
-PASS_NAMES = tuple(dict.fromkeys(p.__name__ for p in PASSES))
+PASS_NAMES = tuple(dict.fromkeys(p.__name__ for p in PASSES + (quantize_activations,)))
 
 
-def select(level: int = DEFAULT_LEVEL, only: Iterable[str] | None = None, skip: Iterable[str] = ()) -> list[Pass]:
-    """The passes run at `level`, restricted to `only` and without `skip`."""
+def with_numerics(passes: tuple[Pass, ...], numerics: str) -> tuple[Pass, ...]:
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    if numerics == "exact":
+        return passes
+    if group_matmuls in passes:
+        at = passes.index(group_matmuls) + 1
+        return passes[:at] + (quantize_activations,) + passes[at:]
+    return passes + (specialise_q8_0, quantize_activations)
+
+
+def select(level: int = DEFAULT_LEVEL, only: Iterable[str] | None = None, skip: Iterable[str] = (),
+           numerics: str = "exact") -> list[Pass]:
+    """The passes run at `level` under `numerics`, restricted to `only` and without `skip`."""
     if level not in LEVELS:
         raise ValueError(f"optimisation level must be one of {sorted(LEVELS)}, got {level!r}")
     only = None if only is None else set(only)
@@ -47,7 +62,8 @@ def select(level: int = DEFAULT_LEVEL, only: Iterable[str] | None = None, skip: 
     unknown = ((only or set()) | skip) - set(PASS_NAMES)
     if unknown:
         raise ValueError(f"unknown pass(es) {', '.join(sorted(unknown))}; passes: {', '.join(PASS_NAMES)}")
-    return [p for p in LEVELS[level] if (only is None or p.__name__ in only) and p.__name__ not in skip]
+    return [p for p in with_numerics(LEVELS[level], numerics)
+            if (only is None or p.__name__ in only) and p.__name__ not in skip]
 
 
 class Dumper:
@@ -74,8 +90,8 @@ class Dumper:
 
 
 def run_pipeline(graph: Graph, *, level: int = DEFAULT_LEVEL, only: Iterable[str] | None = None,
-                 skip: Iterable[str] = (), dump_dir: str | Path | None = None) -> Graph:
-    passes = select(level, only, skip)
+                 skip: Iterable[str] = (), dump_dir: str | Path | None = None, numerics: str = "exact") -> Graph:
+    passes = select(level, only, skip, numerics)
     dumper = None if dump_dir is None else Dumper(Path(dump_dir) / graph.name)
     if dumper is not None:
         dumper.write(graph, "00-input")

@@ -4,15 +4,12 @@ The specialised op reads the weight's stored blocks directly, so no f32 copy of 
 is ever made. Its attrs fix the kernel: `form` is "gemv" for a few rows (a static row
 count <= 16, or symbolic rows in a verify, draft block or decode graph, whose rows are at
 most a speculative block) and "gemm" otherwise; K and N are baked in; `layout` names the
-weight layout a backend packs; `act_quant` (Q8_0 only, off unless asked for) quantises
-activations to Q8_0 as llama.cpp does (see dflash_ir.ops.specialised for its accuracy).
+weight layout a backend packs. Quantised activations are a separate pass
+(quantize_activations, the `q8` numerics mode).
 """
 from __future__ import annotations
 
 import math
-from functools import partial
-
-from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph
 from dflash_ir.ops.specialised import LAYOUTS, OPS
 from dflash_ir.rewrite import P, Rule, V, rewrite
@@ -28,20 +25,16 @@ def form(x_shape, kind: str | None) -> str:
     return "gemv" if kind in GEMV_KINDS else "gemm"
 
 
-def _specialise(m, emit, *, act_quant: bool):
+def _specialise(m, emit):
     w = m["w"]
     dtype = w.type.dtype
     return emit.op(OPS[dtype], m["x"], w, form=form(m["x"].type.shape, emit.meta.get("kind")),
-                   K=w.type.shape[1], N=w.type.shape[0], layout=LAYOUTS[dtype],
-                   act_quant=act_quant and dtype is DType.Q8_0)
+                   K=w.type.shape[1], N=w.type.shape[0], layout=LAYOUTS[dtype])
 
 
 _MATMUL = P("matmul", V("x"), P("dequantize", V("w", kind="weight", dtype=tuple(OPS))))
+RULES = [Rule("specialise", _MATMUL, _specialise)]
 
 
-def rules(act_quant: bool = False) -> list[Rule]:
-    return [Rule("specialise", _MATMUL, partial(_specialise, act_quant=act_quant))]
-
-
-def specialise_q8_0(graph: Graph, *, act_quant: bool = False) -> Graph:
-    return rewrite(graph, rules(act_quant), name="specialise_q8_0")
+def specialise_q8_0(graph: Graph) -> Graph:
+    return rewrite(graph, RULES, name="specialise_q8_0")

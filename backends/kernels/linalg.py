@@ -16,11 +16,11 @@ from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
-from ..kir import F32, I32, I64, K, call, cast, const, dot4_i8, maximum, minimum, select, vsum
+from ..kir import F32, I16, I32, I64, K, call, cast, const, dot4_i8, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, q8_0_split_at, q8_row_bytes, weight_at
-from .shapes import cdiv, flat_launch, prod
+from .shapes import FLAT, cdiv, flat_launch, prod
 
 GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_q8_0); more take the tiled GEMM
 GEMV_THREADS = 256
@@ -98,28 +98,41 @@ class Gemv:
         return GEMV_THREADS // self.lanes
 
 
-def _quantise_x_block(kb: KernelSpec, x: Buffer, xr: K) -> tuple[K, list[K]]:
-    """quantize_row_q8_0 of the 32 x values at xr: (the f16-rounded scale, 8 words of 4 int8)."""
+@lowers("quantize_q8_0")
+def quantize_q8_0(ctx: NodeCtx) -> None:
+    """A thread per 32-block, as quantize_row_q8_0: scale amax / 127 (stored as f16), quants
+    round(x / scale) with the unrounded scale's inverse."""
+    x_value = ctx.ins[0]
+    total = prod(x_value.type.shape) / 32
+    kb = ctx.kernel("quantize_q8_0", local=(FLAT,))
+    x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)
+    i = kb.let("i", kb.gid(0) * FLAT + kb.lid(0))
+    kb.return_if(i >= total)
+    xr = kb.let("xr", cast(I64, i) * 32)
     amax = kb.let("amax", 0.0)
     with kb.loop("e", 0, 32) as e:
         kb.set(amax, maximum(amax, call("fabs", x[xr + e])))
-    dx = kb.let("dx", amax / 127.0)
-    inv = kb.let("inv", select(dx.ne(0.0), 1.0 / dx, 0.0))
-    words = kb.array("xq", I32, 8)
-    with kb.loop("e", 0, 8) as e:
-        word = kb.let("word", 0)
-        with kb.loop("b", 0, 4) as b:
-            kb.set(word, word | ((cast(I32, call("round", x[xr + 4 * e + b] * inv)) & 0xff) << (8 * b)))
-        words[e] = word
-    return call("round_f16", dx), words
+    d = kb.let("d", amax / 127.0)
+    inv = kb.let("inv", select(d.ne(0.0), 1.0 / d, 0.0))
+    out.store(cast(I64, i) * (Q8_BLOCK // 2), d, "f16")
+    with kb.loop("e", 0, 32) as e:
+        out.store(cast(I64, i) * Q8_BLOCK + 2 + e, cast(I32, call("round", x[xr + e] * inv)), "u8")
+    kb.launch([cdiv(total, FLAT)])
+
+
+def _q8_words(buf: Buffer, block: K, word: K) -> K:
+    """Word `word` (0..7) of the Q8_0 block at byte `block`: its quants 4w .. 4w+3 as the
+    bytes of an int (read as two u16: blocks are only 2-byte aligned)."""
+    half = block / 2 + 1 + 2 * word
+    return buf.load(half, "u16") | (buf.load(half + 1, "u16") << 16)
 
 
 def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K, w: Buffer, wrow: K,
-          x: Buffer, xrow: Callable[[K], K], store: Store, act_quant: bool = False) -> None:
+          x: Buffer, xrow: Callable[[K], K], store: Store, x_q8: bool = False) -> None:
     """Column n, rows r0 .. r0+rows-1 (< count): each lane accumulates its chunks for every
     row, then a tree reduction over the column's lanes. `wrow` is the weight row of column
-    n, `xrow(row)` the offset of x's row in x. With act_quant each x block is quantised to
-    int8 as quantize_row_q8_0 does and the block dot is an exact integer sum of dot4s."""
+    n, `xrow(row)` the element offset of x's row. With x_q8 (x in Q8_0 blocks) a block's
+    dot is an exact integer sum of dot4s, scaled by both blocks' scales."""
     L = g.lanes
     lane, col = kb.lid(0), kb.lid(1)
     red = kb.array("red", F32, rows * GEMV_THREADS, "local")
@@ -132,10 +145,10 @@ def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K,
         if q8:
             blk = kb.let("blk", cast(I64, wrow) * q8_row_bytes(g.k) + c * Q8_BLOCK)
             d = kb.let("d", w.load(blk / 2, "f16"))
-            if act_quant:
+            if x_q8:
                 wq = kb.array("wq", I32, 8)
                 with kb.loop("e", 0, 8) as e:
-                    wq[e] = w.load(blk / 2 + 1 + 2 * e, "u16") | (w.load(blk / 2 + 2 + 2 * e, "u16") << 16)
+                    wq[e] = _q8_words(w, blk, e)
             else:
                 wv = kb.array("wv", F32, 32)
                 with kb.loop("e", 0, 16) as e:
@@ -147,14 +160,14 @@ def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K,
             wv[0] = weight_at(g.dtype, w, wrow, c, g.k)
         with kb.loop("r", 0, rows, cond=lambda r: r0 + r < count) as r:
             row = kb.let("row", r0 + r)
-            xr = kb.let("xr", xrow(row) + c * g.chunk)
-            if act_quant:
-                dx, xq = _quantise_x_block(kb, x, xr)
+            if x_q8:
+                xb = kb.let("xb", (xrow(row) / 32 + c) * Q8_BLOCK)
                 isum = kb.let("isum", 0)
                 with kb.loop("e", 0, 8) as e:
-                    kb.set(isum, dot4_i8(xq[e], wq[e], isum))
-                acc[r] = acc[r] + cast(F32, isum) * dx * d
+                    kb.set(isum, dot4_i8(_q8_words(x, xb, e), wq[e], isum))
+                acc[r] = acc[r] + cast(F32, isum) * x.load(xb / 2, "f16") * d
             else:
+                xr = kb.let("xr", xrow(row) + c * g.chunk)
                 s = kb.let("s", 0.0)
                 with kb.loop("e", 0, g.chunk) as e:
                     kb.set(s, s + wv[e] * x[xr + e])
@@ -203,13 +216,13 @@ def _store_chain(outs, widths, row, n, value, start: int) -> None:
         _store_chain(outs[1:], widths[1:], row, n, value, start + width)
 
 
-def matmul_launch(ctx: NodeCtx, *, act_quant: bool = False) -> None:
-    """x @ wᵀ [+ residual] for node inputs (x, w[, residual])."""
+def matmul_launch(ctx: NodeCtx) -> None:
+    """x @ wᵀ [+ residual] for node inputs (x, w[, residual]); x f32, or Q8_0 blocks."""
     x, w, *res = ctx.ins
-    _matmul(ctx, x, [w], [ctx.outs[0]], res, act_quant)
+    _matmul(ctx, x, [w], [ctx.outs[0]], res)
 
 
-def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list, act_quant: bool) -> None:
+def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) -> None:
     """x @ wᵀ over the rows of `weights` side by side (one weight, or a matmul_group's),
     output i getting weight i's columns. GPU profile: a GEMV for up to GEMV_ROWS rows, else
     a tiled GEMM; with a symbolic row count both are planned and the launch picks one per
@@ -219,7 +232,8 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list, 
     widths = [o.type.shape[-1] for o in outs]
     n = sum(widths)
     M, N = prod(x_value.type.shape[:-1]), const(n)
-    rowwise = ctx.profile == "cpu" and not act_quant
+    x_q8 = x_value.type.dtype is DType.Q8_0
+    rowwise = ctx.profile == "cpu"
     blocks = 0
     if rowwise and dtype is DType.Q8_0:
         w_value, blocks = _split_q8_0(ctx, weights)
@@ -240,7 +254,7 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list, 
             if fixed is None or (fixed == 1) == (rows == 1):
                 streams = rowwise_streams(ctx, dtype, rows, n)
                 kb, x, w, store = kernel("matmul_rows", (ROWWISE_COLS,))
-                _rowwise(kb, dtype, M, n, k, rows, store, w, x, blocks=blocks, streams=streams)
+                _rowwise(kb, dtype, M, n, k, rows, store, w, x, blocks=blocks, streams=streams, x_q8=x_q8)
                 kb.launch(rowwise_groups(M, n, rows, streams), when=None if fixed else when)
         return
     if fixed is None or fixed <= GEMV_ROWS:
@@ -249,18 +263,18 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list, 
         kb, x, w, store = kernel("matmul_gemv", (g.lanes, g.cols))
         n_col = kb.let("n", kb.gid(0) * g.cols + kb.lid(1))
         r0 = kb.let("r0", kb.gid(1) * rows)
-        _gemv(kb, g, rows, M, N, n_col, r0, w, n_col, x, lambda row: cast(I64, row) * dim(k), store, act_quant)
+        _gemv(kb, g, rows, M, N, n_col, r0, w, n_col, x, lambda row: cast(I64, row) * dim(k), store, x_q8)
         kb.launch([cdiv(N, g.cols), cdiv(M, rows)], when=None if fixed else M <= GEMV_ROWS)
     if fixed is None or fixed > GEMV_ROWS:
         kb, x, w, store = kernel("matmul_gemm", (THREADS, THREADS))
-        _gemm(kb, dtype, M, n, k, store, x, w, act_quant)
+        _gemm(kb, dtype, M, n, k, store, x, w, x_q8)
         kb.launch([cdiv(N, TILE), cdiv(M, TILE)], when=None if fixed else M > GEMV_ROWS)
 
 
 @lowers("matmul_group")
 def matmul_group(ctx: NodeCtx) -> None:
     x, *weights = ctx.ins
-    _matmul(ctx, x, weights, ctx.outs, [], ctx.attr.get("act_quant", False))
+    _matmul(ctx, x, weights, ctx.outs, [])
 
 
 def rowwise_streams(ctx: NodeCtx, dtype: DType, rows: int, n: Dim) -> int:
@@ -280,7 +294,7 @@ def rowwise_groups(M: K, n: Dim, rows: int, streams: int) -> list[K]:
 
 def _rowwise(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, R: int, store: Store, w: Buffer, x: Buffer,
              wrow: Callable[[K, K], K] = lambda n, r0: n, xrow: Callable[[K], K] | None = None, blocks: int = 0,
-             streams: int = 1) -> None:
+             streams: int = 1, x_q8: bool = False) -> None:
     """CPU schedule of x @ wᵀ, any row count: a work-item owns output column n for a block of
     R rows, converts each 32-element chunk of w's row n once and applies it to every row
     of the block, accumulating into independent sums per row, which a CPU compiler turns
@@ -295,11 +309,16 @@ def _rowwise(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, R: int, store: 
     scales; plan.LAYOUTS): aligned 16-wide quant loads, and the scales of SCALE_RUN blocks
     converted by one 16-wide f16 load, where one f16 conversion per block cost more than
     the block's arithmetic. Each block's partial sums are scaled by its d into sixteen
-    sums per row; a single row keeps two sets (two blocks per step) for each of its
-    `streams` columns."""
+    sums per row, in two sets (even and odd blocks: two loads in flight) for each of its
+    `streams` columns. With x_q8 (x in Q8_0 blocks) a block's products are 16-bit integer
+    multiplies, exact, scaled by both scales.
+
+    Every row is computed the same way whatever R is (the same sets, the same order of
+    blocks and sums), so a row's result does not depend on how many rows share the call:
+    a verify row equals the decode of the same token, bit for bit."""
     xrow = xrow or (lambda row: cast(I64, row) * dim(k))
     if dtype is DType.Q8_0:
-        _rowwise_q8_0(kb, n, k, R, store, w, x, wrow, xrow, blocks, M, streams)
+        _rowwise_q8_0(kb, n, k, R, store, w, x, wrow, xrow, blocks, M, streams, x_q8)
         return
     K_ = dim(k)
     whole = isinstance(k, int) and k % 32 == 0
@@ -330,7 +349,7 @@ def _rowwise(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, R: int, store: 
 
 
 def _rowwise_q8_0(kb: KernelSpec, n: Dim, k: int, R: int, store: Store, w: Buffer, x: Buffer, wrow, xrow,
-                  blocks: int, M: K, S: int) -> None:
+                  blocks: int, M: K, S: int, x_q8: bool) -> None:
     """The Q8_0 loops of _rowwise: runs of SCALE_RUN blocks, then the tail block by block,
     for S columns n0 + i·Q (i < S) per work-item, Q = ceil(N / S); a column past N reads
     row N-1 again and stores nothing."""
@@ -338,8 +357,9 @@ def _rowwise_q8_0(kb: KernelSpec, n: Dim, k: int, R: int, store: Store, w: Buffe
     Q = const(-(-n // S)) if S > 1 else N
     nb, run = k // 32, SCALE_RUN * 32
     full = nb // SCALE_RUN * run
-    U = 2 if R == 1 else 1  # one row (decode): two blocks per step into two sums, two loads in flight
+    U = 2  # two blocks per step into two sets of sums
     V16 = F32.vec(16)
+    lanes = I16.vec(16) if x_q8 else V16  # integer products are 16-bit: |q·q| + |q·q| < 2^15
     r0 = kb.let("r0", kb.gid(0) * R)
     n0 = kb.let("n0", kb.gid(1) * ROWWISE_COLS + kb.lid(0))
     kb.return_if(n0 >= Q)
@@ -356,16 +376,25 @@ def _rowwise_q8_0(kb: KernelSpec, n: Dim, k: int, R: int, store: Store, w: Buffe
         return (r * S + i) * U + u
 
     def step(c: K, scale: Callable[[int, int], K], units: int) -> None:
-        quants = {(i, u): [kb.let(f"wv{i}_{u}_{h}", cast(V16, w.load(qrow[i] + c + 32 * u + 16 * h, "i8", 16)))
+        quants = {(i, u): [kb.let(f"wv{i}_{u}_{h}", cast(lanes, w.load(qrow[i] + c + 32 * u + 16 * h, "i8", 16)))
                            for h in range(2)] for i in range(S) for u in range(units)}
         with kb.loop("r", 0, R, cond=lambda r: r0 + r < M) as r:
             xr = kb.let("xr", xrow(r0 + r))
-            for i in range(S):
-                for u in range(units):
+            for u in range(units):
+                if x_q8:  # block (xr + c) / 32 + u of x: its scale, then its quants
+                    xb = kb.let(f"xb{u}", ((xr + c) / 32 + u) * Q8_BLOCK)
+                    dx = kb.let(f"dx{u}", x.load(xb / 2, "f16"))
+                    xs = [cast(lanes, x.load(xb + 2 + 16 * h, "i8", 16)) for h in range(2)]
+                else:
+                    xs = [x.load(xr + c + 32 * u + 16 * h, lanes=16) for h in range(2)]
+                for i in range(S):
                     lo, hi = quants[i, u]
-                    at = xr + c + 32 * u
+                    dot = lo * xs[0] + hi * xs[1]
                     a = acc[slot(r, i, u)]
-                    acc[slot(r, i, u)] = call("fma", scale(i, u), lo * x.load(at, lanes=16) + hi * x.load(at + 16, lanes=16), a)
+                    if x_q8:
+                        acc[slot(r, i, u)] = call("fma", cast(V16, dot), scale(i, u) * dx, a)
+                    else:
+                        acc[slot(r, i, u)] = call("fma", scale(i, u), dot, a)
 
     if full:
         with kb.loop("c0", 0, full, run) as c0:
@@ -397,60 +426,56 @@ def matmul(ctx: NodeCtx) -> None:
 @lowers("matmul_q8_0", "matmul_f16")
 def matmul_specialised(ctx: NodeCtx) -> None:
     """The `form` attr is only a hint here: the row count is known at launch."""
-    matmul_launch(ctx, act_quant=ctx.attr.get("act_quant", False))
+    matmul_launch(ctx)
 
 
 def _gemm(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, store: Store, x: Buffer, w: Buffer,
-          act_quant: bool) -> None:
+          x_q8: bool) -> None:
     """Tiled x @ wᵀ: each work-group stages a TILE x TILE block of x rows and of (dequantised)
     w rows per K step in local memory; each thread accumulates a 2x2 patch of outputs.
-    With act_quant (TILE = one Q8_0 block) the staged values are the int8 quants of x and w
-    and each K step adds an exact integer dot (in f32: |sum| < 2^24) times both scales."""
+    With x_q8 (TILE = one Q8_0 block) the staged values are the int8 quants of x and w and
+    each K step adds an exact integer dot (in f32: |sum| < 2^24) times both scales."""
     N, K_, P = dim(n), dim(k), TILE + 1  # padded rows avoid local-memory bank conflicts
     per = TILE // THREADS
     tx, ty = kb.let("tx", kb.lid(0)), kb.let("ty", kb.lid(1))
     tid = kb.let("tid", ty * THREADS + tx)
     n0, m0 = kb.let("n0", kb.gid(0) * TILE), kb.let("m0", kb.gid(1) * TILE)
     xs, ws = kb.array("xs", F32, TILE * P, "local"), kb.array("ws", F32, TILE * P, "local")
-    if act_quant:
+    if x_q8:
         xd, wd = kb.array("xd", F32, TILE, "local"), kb.array("wd", F32, TILE, "local")
     acc = kb.array("acc", F32, per * per)
     with kb.loop("a", 0, per * per) as a:
         acc[a] = 0.0
+
+    def block_byte(row: K, k0: K) -> K:
+        return cast(I64, row) * q8_row_bytes(k) + (k0 / 32) * Q8_BLOCK
+
     with kb.loop("k0", 0, K_, TILE) as k0:
         with kb.loop("e", tid, TILE * TILE, THREADS * THREADS) as e:
             rr, kk = kb.let("rr", e / TILE), kb.let("kk", e % TILE)
             kc, m, nn = kb.let("k", k0 + kk), kb.let("m", m0 + rr), kb.let("nr", n0 + rr)
-            xs[rr * P + kk] = select((m < M) & (kc < K_), x[cast(I64, m) * K_ + kc], 0.0)
-            if act_quant:
-                value = cast(F32, w.load(cast(I64, nn) * q8_row_bytes(k) + (kc / 32) * Q8_BLOCK + 2 + kk, "i8"))
+            if x_q8:
+                x_value = cast(F32, x.load(block_byte(m, kc) + 2 + kk, "i8"))
+                w_value = cast(F32, w.load(block_byte(nn, kc) + 2 + kk, "i8"))
             else:
-                value = weight_at(dtype, w, nn, kc, k)
-            ws[rr * P + kk] = select((nn < N) & (kc < K_), value, 0.0)
-        kb.barrier()
-        if act_quant:
+                x_value, w_value = x[cast(I64, m) * K_ + kc], weight_at(dtype, w, nn, kc, k)
+            xs[rr * P + kk] = select((m < M) & (kc < K_), x_value, 0.0)
+            ws[rr * P + kk] = select((nn < N) & (kc < K_), w_value, 0.0)
+        if x_q8:
             with kb.if_(tid < TILE):
-                amax = kb.let("amax", 0.0)
-                with kb.loop("e", 0, TILE) as e:
-                    kb.set(amax, maximum(amax, call("fabs", xs[tid * P + e])))
-                dx = kb.let("dx", amax / 127.0)
-                inv = kb.let("inv", select(dx.ne(0.0), 1.0 / dx, 0.0))
-                with kb.loop("e", 0, TILE) as e:
-                    xs[tid * P + e] = call("round", xs[tid * P + e] * inv)
-                xd[tid] = call("round_f16", dx)
-                nw = kb.let("nw", n0 + tid)
-                wd[tid] = select(nw < N, w.load((cast(I64, nw) * q8_row_bytes(k) + (k0 / 32) * Q8_BLOCK) / 2, "f16"),
-                                 0.0)
-            kb.barrier()
-        for a in range(per):
-            for b in range(per):
-                xa, wb = (ty + a * THREADS) * P, (tx + b * THREADS) * P
-                if act_quant:
+                m, nn = kb.let("ms", m0 + tid), kb.let("ns", n0 + tid)
+                xd[tid] = select(m < M, x.load(block_byte(m, k0) / 2, "f16"), 0.0)
+                wd[tid] = select(nn < N, w.load(block_byte(nn, k0) / 2, "f16"), 0.0)
+        kb.barrier()
+        if x_q8:
+            for a in range(per):
+                for b in range(per):
+                    xa, wb = (ty + a * THREADS) * P, (tx + b * THREADS) * P
                     s = kb.let(f"s{a}{b}", 0.0)
                     with kb.loop("kk", 0, TILE) as kk:
                         kb.set(s, s + xs[xa + kk] * ws[wb + kk])
                     acc[a * per + b] = acc[a * per + b] + s * xd[ty + a * THREADS] * wd[tx + b * THREADS]
-        if not act_quant:
+        else:
             with kb.loop("kk", 0, TILE) as kk:
                 for a in range(per):
                     for b in range(per):

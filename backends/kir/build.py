@@ -18,12 +18,12 @@ import contextlib
 import hashlib
 from typing import Callable, Iterable, Sequence
 
-from .ir import BINARY, BOOL, BUFFER_TYPES, COMPARE, F32, I32, I64, MATH, U32, VIEW_VALUE, VOID, DT, Function, K, \
-    Kernel, Param, walk
+from .ir import BINARY, BOOL, BUFFER_TYPES, COMPARE, F32, I16, I32, I64, MATH, U32, VIEW_VALUE, VOID, DT, Function, \
+    K, Kernel, Param, walk
 
 Operand = K | int | float | bool
 
-_RANK = {"bool": 0, "i32": 1, "u32": 2, "i64": 3, "f32": 4}
+_RANK = {"bool": 0, "i16": 1, "i32": 2, "u32": 3, "i64": 4, "f32": 5}
 
 
 def const(value: int | float | bool, dtype: DT | None = None) -> K:
@@ -335,4 +335,4 @@ def function(name: str, params: Sequence[tuple[str, DT]], make) -> Function:
 
 __all__ = ["KernelBuilder", "Buffer", "Array", "const", "lift", "cast", "bitcast", "binary", "select", "call",
            "dot4_i8", "call_function", "minimum", "maximum", "vsum", "var", "block", "function", "free_vars",
-           "F32", "I32", "U32", "I64", "BOOL", "VOID", "DT"]
+           "F32", "I16", "I32", "U32", "I64", "BOOL", "VOID", "DT"]

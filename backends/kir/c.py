@@ -28,7 +28,8 @@ class CPrinter(Printer):
     restrict = ""
     local_qualifier = ""
     function_qualifier = ""
-    scalar_names = {"f32": "float", "i32": "int", "u32": "unsigned int", "i64": "long long", "bool": "bool"}
+    scalar_names = {"f32": "float", "i16": "short", "i32": "int", "u32": "unsigned int", "i64": "long long",
+                    "bool": "bool"}
     element_names = {"f32": "float", "i32": "int", "i64": "long long", "u8": "unsigned char", "u16": "unsigned short"}
 
     # -- module ---------------------------------------------------------------------------
@@ -110,7 +111,7 @@ class OpenCLPrinter(CPrinter):
     restrict = "restrict"
     local_qualifier = "__local"
     function_qualifier = "static inline "
-    scalar_names = {"f32": "float", "i32": "int", "u32": "uint", "i64": "long", "bool": "bool"}
+    scalar_names = {"f32": "float", "i16": "short", "i32": "int", "u32": "uint", "i64": "long", "bool": "bool"}
     element_names = {"f32": "float", "i32": "int", "i64": "long", "u8": "uchar", "u16": "ushort"}
     # OpenCL C has no int8 dot product in its core, no f16 arithmetic without cl_khr_fp16,
     # and PoCL converts f16 one value at a time in vload_half: these are exact replacements
@@ -152,7 +153,7 @@ static inline float round_f16(float v) {
     def cast(self, t: DT, x: K) -> tuple[str, int]:
         if t.lanes > 1 and x.dtype.lanes == 1:
             return f"({self.type_name(t)})({self.expr(x)})", 16
-        if t.lanes > 1 and x.op == "load" and x.arg[1] == "i8":  # bytes straight to floats
+        if t.lanes > 1 and x.op == "load" and x.arg[1] == "i8":  # bytes straight to wider lanes
             p = self.params[x.arg[0]]
             n = t.lanes
             return f"convert_{self.type_name(t)}(as_char{n}(vload{n}(0, {p.name} + ({self.expr(x.src[0])}))))", 16

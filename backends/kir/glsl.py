@@ -100,7 +100,7 @@ class GLSLPrinter(Printer):
     def type_name(self, t: DT) -> str:
         if t.lanes > 1:
             raise UnsupportedKernel("vector values reach the GLSL printer: scalarize first")
-        return {"f32": "float", "i32": "int", "u32": "uint", "bool": "bool",
+        return {"f32": "float", "i16": "int", "i32": "int", "u32": "uint", "bool": "bool",
                 "i64": "int64_t" if self.f.int64 else "int"}[t.scalar]
 
     def float_literal(self, v: float) -> str:
@@ -215,6 +215,9 @@ class GLSLPrinter(Printer):
         if view == "f16":
             value = f"f16_bits_rte({value})"
         narrow = self.f.storage8 if p.ctype == "u8" else self.f.storage16
+        if narrow and p.ctype == "u8" and bits == 16:  # a u16 at an even byte of a byte buffer
+            return (f"{{ uint v_ = uint({value}); {name}[2u * uint({index})] = uint8_t(v_ & 0xffu); "
+                    f"{name}[2u * uint({index}) + 1u] = uint8_t((v_ >> 8) & 0xffu); }}")
         if narrow:
             return f"{name}[uint({index})] = uint{bits}_t(uint({value}) & 0x{(1 << bits) - 1:x}u)"
         per, mask = 32 // bits, f"0x{(1 << bits) - 1:x}u"

@@ -67,14 +67,15 @@ class DT:
 
     @property
     def is_int(self) -> bool:
-        return self.scalar in ("i32", "u32", "i64")
+        return self.scalar in ("i16", "i32", "u32", "i64")
 
     def __str__(self) -> str:
         return self.scalar if self.lanes == 1 else f"{self.scalar}x{self.lanes}"
 
 
-F32, I32, U32, I64, BOOL, VOID = DT("f32"), DT("i32"), DT("u32"), DT("i64"), DT("bool"), DT("void")
-SCALARS = ("f32", "i32", "u32", "i64", "bool")
+F32, I16, I32, U32, I64, BOOL, VOID = DT("f32"), DT("i16"), DT("i32"), DT("u32"), DT("i64"), DT("bool"), DT("void")
+# i16 is for vector arithmetic on small integers (products of int8 quants: 16-bit multiplies)
+SCALARS = ("f32", "i16", "i32", "u32", "i64", "bool")
 
 # buffer element types (kernel parameters) and the views a load or store may take of them
 BUFFER_TYPES = ("f32", "i32", "i64", "u8", "u16")

@@ -25,7 +25,7 @@ _INT_OPS = {
 _CMP = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
         "ne": np.not_equal}
 _F32_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
-_INT_LIMITS = {"i32": (-2 ** 31, 2 ** 31 - 1), "u32": (0, 2 ** 32 - 1), "i64": (-2 ** 63, 2 ** 63 - 1)}
+_INT_LIMITS = {"i16": (-2 ** 15, 2 ** 15 - 1), "i32": (-2 ** 31, 2 ** 31 - 1), "u32": (0, 2 ** 32 - 1), "i64": (-2 ** 63, 2 ** 63 - 1)}
 
 
 class _TreeView:
@@ -87,7 +87,7 @@ def _c(value) -> P:
     return P("const", attrs={"arg": lambda v: v == value and not isinstance(v, bool)})
 
 
-_INT = ("i32", "u32", "i64")
+_INT = ("i16", "i32", "u32", "i64")
 
 
 def _is_int(m, name: str) -> bool:
@@ -106,8 +106,8 @@ def _zero(m, emit=None):
 
 def _reassociate(m, emit=None):
     """(x op c1) op c2 -> x op (c1 op c2) for integer add and mul."""
-    node, inner = m.value, m["inner"]
-    if not _is_int(m, "x"):
+    node = m.value
+    if not _is_int(m, "x") or m["inner"].op != node.op:
         return None
     c = _fold(_Match(K(node.op, node.dtype, (m["c1"], m["c2"]))))
     return None if c is None else K(node.op, node.dtype, (m["x"], c))
@@ -130,8 +130,7 @@ RULES = [
     Rule("mod_one", P("mod", V("x"), _c(1)), _zero),
     Rule("min_same", P(("min", "max"), V("x"), V("x")), _keep("x", need_int=True)),
     Rule("reassociate", P(("add", "mul"), P(("add", "mul"), V("x"), P("const", name="c1"), name="inner"),
-                          P("const", name="c2")),
-         lambda m, e=None: _reassociate(m) if m["inner"].op == m.value.op else None),
+                          P("const", name="c2")), _reassociate),
     Rule("select_const", P("select", P("const", dtype=BOOL), V(), V()), _select_const),
 ]
 _BY_OP: dict[str, list[Rule]] = {}

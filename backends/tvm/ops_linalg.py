@@ -5,10 +5,9 @@ expert_matmul. Products are reduction blocks, which dlight's GEMV / matmul rules
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
-from dflash_ir.types import TensorType
 
 from .lowering import TVMNodeCtx, lowers
-from .tir import block, dim, float_to_half, half_to_float, prod, q8_quant, q8_scale, round_half_away, weight_at
+from .tir import block, dim, float_to_half, prod, q8_quant, q8_scale, round_half_away, weight_at
 
 
 @lowers("dequantize")
@@ -50,8 +49,10 @@ def matmul(ctx: TVMNodeCtx) -> None:
     m = prod(x.type.shape[:-1])
     K = dim(k)
     product = ctx.temp(ctx.outs[0].type) if res else ctx.outs[0]  # then out = product + residual
-    if ctx.attr.get("act_quant", False):
-        _act_quant_product(ctx, x, w, m, n, k, product)
+    if x.type.dtype is DType.Q8_0:  # Q8_0 x Q8_0: quants times both blocks' scales
+        term = (f"{q8_quant('x', 'row', 'c', k)} * {q8_quant('w', 'col', 'c', k)} * "
+                f"{q8_scale('x', 'row', 'c // 32', k)} * {q8_scale('w', 'col', 'c // 32', k)}")
+        _product(ctx, "matmul_q8_0_q8_0", [("x", x, False), ("w", w, False)], m, n, k, term, product)
     else:
         term = f"x[row * {K} + c] * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
         _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product)
@@ -59,25 +60,26 @@ def matmul(ctx: TVMNodeCtx) -> None:
         _residual(ctx, product, res[0], m, n)
 
 
-def _act_quant_product(ctx: TVMNodeCtx, x, w, m: str, n, k: int, out) -> None:
-    """x quantised per 32-block (scale rounded to f16, quants round-half-away), then the
-    Q8_0 x Q8_0 product of quants times both scales."""
+@lowers("quantize_q8_0")
+def quantize_q8_0(ctx: TVMNodeCtx) -> None:
+    """A point per 32-block: scale amax / 127 stored as f16 bits, quants round-half-away of
+    x times the unrounded scale's inverse (quantize_row_q8_0)."""
+    x = ctx.ins[0]
+    k = x.type.shape[-1]
     blocks = k // 32
-    xq = ctx.temp(TensorType(DType.F32, tuple(x.type.shape)))
-    xd = ctx.temp(TensorType(DType.F32, tuple(x.type.shape[:-1]) + (blocks,)))
     at = f"x[row * {k} + b * 32 + e]"
-    q = round_half_away(f"{at} * s[2]")
+    base = f"(row * {blocks} + b) * 34"
+    bits = float_to_half("s[1]")
     body = ("s[0] = T.float32(0)\n"
             f"for e in range(32):\n    s[0] = T.max(s[0], T.fabs({at}))\n"
             "s[1] = s[0] / T.float32(127)\n"
             "s[2] = T.if_then_else(s[1] == T.float32(0), T.float32(0), T.float32(1) / s[1])\n"
-            f"for e in range(32):\n    xq[row * {k} + b * 32 + e] = {q}\n"
-            f"xd[row * {blocks} + b] = {half_to_float(float_to_half('s[1]'))}")
-    ctx.sequential("quantize_q8_0", [("x", x, False), ("xq", xq, True), ("xd", xd, True)],
-                   [("row", m), ("b", str(blocks))], body, [("s", 3)])
-    term = (f"xq[row * {k} + c] * {q8_quant('w', 'col', 'c', k)} * xd[row * {blocks} + c // 32] * "
-            f"{q8_scale('w', 'col', 'c // 32', k)}")
-    _product(ctx, "matmul_act_q8_0", [("xq", xq, False), ("xd", xd, False), ("w", w, False)], m, n, k, term, out)
+            f'out[{base}] = T.Cast("uint8", T.bitwise_and({bits}, T.uint16(255)))\n'
+            f'out[{base} + 1] = T.Cast("uint8", T.shift_right({bits}, T.uint16(8)))\n'
+            f"for e in range(32):\n"
+            f'    out[{base} + 2 + e] = T.reinterpret("uint8", T.Cast("int8", {round_half_away(f"{at} * s[2]")}))')
+    ctx.sequential("quantize_q8_0", [("x", x, False), ("out", ctx.outs[0], True)],
+                   [("row", prod(x.type.shape[:-1])), ("b", str(blocks))], body, [("s", 3)])
 
 
 @lowers("expert_matmul")
@@ -101,5 +103,4 @@ def matmul_group(ctx: TVMNodeCtx) -> None:
     x, *weights = ctx.ins
     a = ctx.attr
     for w, out, n in zip(weights, ctx.outs, a["Ns"]):
-        ctx.sub(a["op"], x, w, outputs=[out], form=a["form"], K=a["K"], N=n, layout=a["layout"],
-                act_quant=a.get("act_quant", False))
+        ctx.sub(a["op"], x, w, outputs=[out], form=a["form"], K=a["K"], N=n, layout=a["layout"])

@@ -5,20 +5,30 @@ import argparse
 import sys
 import time
 
-from dflash_ir.artifact import DEFAULT_CTX, compile_pair
+from dflash_ir.artifact import DEFAULT_CTX, DEFAULT_N_MAX, compile_pair
 from dflash_ir.backends.base import BackendUnavailable
 from dflash_ir.backends.toolchain import CompileError
 from dflash_ir.errors import DflashError
+from dflash_ir.models.checks import MAX_BLOCK_SIZE, MAX_POSITIONS
+
+from .args import integer
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CTX, help=f"context size in tokens (default {DEFAULT_CTX})")
+    p.add_argument("-c", "--ctx-size", type=integer(0, MAX_POSITIONS), default=None,
+                   help=f"context size in tokens, 0 = the model's trained context (default {DEFAULT_CTX})")
     p.add_argument("--backend", default="auto", help="numpy, opencl, vulkan, cuda, rocm, tvm-llvm, tvm-opencl, tvm-cuda, tvm-rocm, or auto: CUDA with a "
                         "GPU, else Vulkan on a GPU, else OpenCL, else numpy (default auto)")
-    p.add_argument("--spec-draft-n-max", type=int, default=15, help="default number of proposals per round (default 15)")
+    p.add_argument("--spec-draft-n-max", type=integer(0, MAX_BLOCK_SIZE - 1), default=None,
+                   help=f"proposals per round, at most the draft's block size - 1; 0 = no drafting "
+                        f"(default {DEFAULT_N_MAX}, or block size - 1 when smaller)")
     p.add_argument("-O", dest="opt_level", type=int, choices=(0, 1, 2), default=None,
                    help="optimisation level: 0 graphs as built, 1 canonicalise, 2 all passes "
                         "(default: the backend's, 0 for numpy, 2 for kernel backends)")
+    p.add_argument("--numerics", choices=("exact", "q8"), default="exact",
+                   help="exact: f32 activations (matches Transformers within 3e-4); q8: Q8_0 weights multiply "
+                        "activations quantised to Q8_0, exact integer block sums, as llama.cpp's CPU path "
+                        "(default exact)")
     p.add_argument("--dump-ir", metavar="DIR", help="write every graph's IR (text + picture) after each pass under DIR")
 
 
@@ -47,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         out = compile_pair(args.target, args.draft, out=args.output, backend=resolve_backend(args.backend),
-                           n_ctx=args.ctx_size, n_max=args.spec_draft_n_max, opt_level=args.opt_level,
-                           dump_dir=args.dump_ir,
+                           n_ctx=DEFAULT_CTX if args.ctx_size is None else args.ctx_size,
+                           n_max=args.spec_draft_n_max, opt_level=args.opt_level,
+                           numerics=args.numerics, dump_dir=args.dump_ir,
                            progress=lambda msg: print(f"dflash-compile: {msg}", file=sys.stderr, flush=True))
     except (DflashError, ValueError, OSError, BackendUnavailable, CompileError) as e:
         print(f"dflash-compile: error: {e}", file=sys.stderr)

@@ -4,13 +4,15 @@ They read the weight as stored (Q8_0: rows of 34-byte blocks, fp16 scale then 32
 F16: halves) and dequantise inside, never materialising the f32 matrix. Attributes carry
 what a kernel generator needs without looking at shapes: `form` (gemv for a few rows,
 gemm for many), the constants K and N, the weight `layout` a backend packs, an optional
-fused `residual` input (out = x @ wᵀ + residual) and, for Q8_0, `act_quant`.
+fused `residual` input (out = x @ wᵀ + residual).
 
-`act_quant=True` is llama.cpp's Q8_0 x Q8_0 path: x is quantised per 32-element block to
-int8 with an fp16 scale (quantize_row_q8_0) and each block's dot product is an exact
-integer sum scaled by d_x * d_w. One matmul stays within 1e-2 of the f32 path relative
-to the output's max |value| (about 6e-3 on random data, K = 64..4096); through a whole
-model the error compounds layer by layer, which is why it is off by default.
+A `matmul_q8_0` whose x is itself Q8_0 (made by `quantize_q8_0`, llama.cpp's
+quantize_row_q8_0: per 32-element block an fp16 scale and 32 int8) is llama.cpp's
+Q8_0 x Q8_0 product: each block's dot product is an exact integer sum, scaled by
+d_x * d_w. The integer part does not depend on how a kernel orders it, so a row's result
+does not depend on how many rows share the pass. One matmul stays within 1e-2 of the f32
+path relative to the output's max |value| (about 6e-3 on random data, K = 64..4096); the
+`q8` numerics mode (passes/quantize_activations.py) uses it for every Q8_0 weight.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ..quant import quantize_q8_0
 from ..types import TensorType
 from .linalg import matmul
 from .registry import get_op
-from .rules import bool_attr, check, choice_attr, defop, expect_dtype, int_attr
+from .rules import check, choice_attr, defop, expect_dtype, int_attr
 
 F32 = np.float32
 FORMS = ("gemv", "gemm")
@@ -29,26 +31,26 @@ LAYOUTS = {DType.Q8_0: "q8_0_rowmajor", DType.F16: "f16_rowmajor"}
 OPS = {DType.Q8_0: "matmul_q8_0", DType.F16: "matmul_f16"}
 _BLOCK = DType.Q8_0.block_size
 _BLOCK_BYTES = DType.Q8_0.block_bytes
-# weight rows handled at once by the act_quant path (bounds its [blocks, T, rows] temporaries)
+# weight rows handled at once by the Q8_0 x Q8_0 path (bounds its [blocks, T, rows] temporaries)
 _ROWS = 256
 
 
 def _specialised(dtype: DType) -> None:
-    def rule(x: TensorType, w: TensorType, residual: TensorType | None = None, *, form, K, N, layout,
-             act_quant) -> TensorType:
+    def rule(x: TensorType, w: TensorType, residual: TensorType | None = None, *, form, K, N, layout) -> TensorType:
         expect_dtype("w", w, dtype)
-        (out,) = get_op("matmul").output_types([x, w], {})
+        check(x.dtype is DType.F32 or (x.dtype is DType.Q8_0 and dtype is DType.Q8_0),
+              f"x must be f32{' or q8_0' if dtype is DType.Q8_0 else ''}, got {x}")
+        (out,) = get_op("matmul").output_types([TensorType(DType.F32, x.shape), w], {})
         choice_attr("form", form, FORMS)
         check(int_attr("K", K) == w.shape[1] and int_attr("N", N) == w.shape[0],
               f"K={K}, N={N} do not match the weight {w} (N rows of K)")
         choice_attr("layout", layout, [LAYOUTS[dtype]])
-        check(not bool_attr("act_quant", act_quant) or dtype is DType.Q8_0, "act_quant needs a q8_0 weight")
         if residual is not None:
             check(residual == out, f"residual {residual} must have the output's type {out}")
         return out
 
-    def reference(x, w, residual=None, *, form, K, N, layout, act_quant=False):
-        out = _matmul_act_q8_0(x, w) if act_quant else matmul(x, w)
+    def reference(x, w, residual=None, *, form, K, N, layout):
+        out = _matmul_q8_0_q8_0(x, w) if x.dtype == np.uint8 else matmul(x, w)
         return out if residual is None else np.asarray(out + residual)
 
     reference.__doc__ = (f"x @ wᵀ [+ residual] for a weight w[N, K] stored as {dtype}, read as stored and "
@@ -63,10 +65,10 @@ def _q8_0_blocks(storage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d, blocks[..., 2:].view(np.int8).astype(F32)
 
 
-def _matmul_act_q8_0(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def _matmul_q8_0_q8_0(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Q8_0 x Q8_0: per block an integer dot (exact in f32: |sum| <= 32·127² < 2^24) times d_x·d_w."""
     lead = x.shape[:-1]
-    dx, qx = _q8_0_blocks(quantize_q8_0(x.reshape(-1, x.shape[-1])))  # [T, nb], [T, nb, 32]
+    dx, qx = _q8_0_blocks(x.reshape(-1, x.shape[-1]))  # [T, nb], [T, nb, 32]
     out = np.empty((qx.shape[0], w.shape[0]), dtype=F32)
     qx_b = qx.transpose(1, 0, 2)  # [nb, T, 32]
     for start in range(0, w.shape[0], _ROWS):
@@ -80,18 +82,32 @@ for _dtype in OPS:
     _specialised(_dtype)
 
 
-def _group_rule(x: TensorType, *weights: TensorType, op, form, K, Ns, layout, act_quant) -> tuple[TensorType, ...]:
+def _group_rule(x: TensorType, *weights: TensorType, op, form, K, Ns, layout) -> tuple[TensorType, ...]:
     choice_attr("op", op, list(OPS.values()))
     check(len(weights) >= 2, f"a group needs two weights or more, got {len(weights)}")
     check(isinstance(Ns, tuple) and len(Ns) == len(weights), f"Ns={Ns!r} must give one N per weight")
-    return tuple(get_op(op).output_types([x, w], dict(form=form, K=K, N=n, layout=layout, act_quant=act_quant))[0]
+    return tuple(get_op(op).output_types([x, w], dict(form=form, K=K, N=n, layout=layout))[0]
                  for w, n in zip(weights, Ns))
 
 
 @defop("matmul_group", _group_rule)
-def matmul_group(x, *weights, op, form, K, Ns, layout, act_quant=False):
+def matmul_group(x, *weights, op, form, K, Ns, layout):
     """x @ wᵢᵀ for several weights of one storage type and K that read the same x (a layer's
     q/k/v, gate/up or Gated DeltaNet input projections): one kernel over their rows side by
     side. Output i is exactly matmul `op` of weight i."""
-    return tuple(get_op(op).run([x, w], dict(form=form, K=K, N=n, layout=layout, act_quant=act_quant))[0]
+    return tuple(get_op(op).run([x, w], dict(form=form, K=K, N=n, layout=layout))[0]
                  for w, n in zip(weights, Ns))
+
+
+def _quantize_rule(x: TensorType) -> TensorType:
+    expect_dtype("x", x, DType.F32)
+    check(x.rank >= 1 and isinstance(x.shape[-1], int) and x.shape[-1] % _BLOCK == 0,
+          f"quantize_q8_0 needs a static last dim that is a multiple of {_BLOCK}, got {x}")
+    return TensorType(DType.Q8_0, x.shape)
+
+
+@defop("quantize_q8_0", _quantize_rule)
+def quantize_q8_0_op(x):
+    """x quantised to Q8_0 blocks along its last dim, as llama.cpp's quantize_row_q8_0
+    (the activations of a Q8_0 x Q8_0 product)."""
+    return quantize_q8_0(x)

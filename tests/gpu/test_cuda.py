@@ -23,7 +23,7 @@ def test_ptx_fallback_runs(cuda, tmp_path, monkeypatch):
         return {**compile_(self, graph, out_dir), "cubin": {}}
 
     monkeypatch.setattr(type(cuda), "compile", ptx_only)
-    compare(cuda, "matmul_q8_0_act_quant_3_rows", tmp_path)
+    compare(cuda, "matmul_q8_0_q8_x_3_rows", tmp_path)
 
 
 @pytest.mark.parametrize("arch, dtype", [("qwen35", "f16"), ("qwen35moe", "q8_0")])

@@ -20,8 +20,7 @@ def graph(build):
 
 
 def q8_0_matmul(b, x, w):
-    return b.matmul_q8_0(x, b.weight("wq", DType.Q8_0, (8, 32)), form="gemv", K=32, N=8, layout="q8_0_rowmajor",
-                         act_quant=False)
+    return b.matmul_q8_0(x, b.weight("wq", DType.Q8_0, (8, 32)), form="gemv", K=32, N=8, layout="q8_0_rowmajor")
 
 
 def weights(w):

@@ -30,7 +30,7 @@ def test_projections_of_one_input_become_one_group(tiny_models, worst_relative, 
 def _projections(residual: bool = False, k_up: int = 32):
     b = GraphBuilder("proj")
     x = b.input("x", DType.F32, ("T", 32))
-    attrs = dict(form="gemv", K=32, layout="q8_0_rowmajor", act_quant=False)
+    attrs = dict(form="gemv", K=32, layout="q8_0_rowmajor")
     q = b.matmul_q8_0(x, b.weight("wq", DType.Q8_0, (8, 32)), N=8, **attrs)
     k = b.matmul_q8_0(x, b.weight("wk", DType.Q8_0, (4, 32)), N=4, **attrs)
     extra = [b.input("r", DType.F32, ("T", 4))] if residual else []
@@ -64,6 +64,6 @@ def test_a_member_with_a_residual_stays_alone():
 def test_a_single_projection_is_left_alone(tiny_models):
     b = GraphBuilder("one")
     b.output("y", b.matmul_q8_0(b.input("x", DType.F32, ("T", 32)), b.weight("w", DType.Q8_0, (8, 32)), form="gemv",
-                                K=32, N=8, layout="q8_0_rowmajor", act_quant=False))
+                                K=32, N=8, layout="q8_0_rowmajor"))
     g = b.build()
     assert group_matmuls(g) is g

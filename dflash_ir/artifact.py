@@ -206,8 +206,9 @@ def _check_source(role: str, entry: dict) -> Path:
     return p
 
 
-def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None):
-    """Verify an artifact and return a ready Engine."""
+def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None, measure_costs: bool = True):
+    """Verify an artifact and return a ready Engine; with a draft and `measure_costs`, the
+    engine knows its round costs on this device (runtime/costs.py: measured once, cached)."""
     from dflash_ir.backends.base import get_backend
     from dflash_ir.models.gguf_file import open_gguf
 
@@ -223,7 +224,12 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
     programs = {name: be.load(load_yaml((path / entry["graph"]).read_text()), entry["backend"], path, weights)
                 for name, entry in manifest["programs"].items()}
     cfg = manifest["config"]
-    return make_engine(programs, n_ctx=int(cfg["n_ctx"]), n_max=n_max or int(cfg["n_max"]), draft_cfg=cfg.get("draft"),
-                       target_meta=files["target"].metadata if load_tokenizer else None,
-                       target_source=str(files["target"].path),
-                       info={"artifact": str(path), "backend": manifest["backend"], "sources": manifest["sources"]})
+    engine = make_engine(programs, n_ctx=int(cfg["n_ctx"]), n_max=n_max or int(cfg["n_max"]), draft_cfg=cfg.get("draft"),
+                         target_meta=files["target"].metadata if load_tokenizer else None,
+                         target_source=str(files["target"].path),
+                         info={"artifact": str(path), "backend": manifest["backend"], "sources": manifest["sources"]})
+    if measure_costs and engine.draft is not None:
+        from dflash_ir.runtime.costs import artifact_costs
+
+        engine.costs = artifact_costs(engine, (path / "manifest.yaml").read_text(), be)
+    return engine

@@ -20,6 +20,8 @@ tests compare them with the converter's own output (fixtures/oracle/*/gguf/*.ggu
 
 `target_plan` / `draft_plan` return an editable `GGUFPlan` (metadata + tensors) and
 `write_gguf` writes one: tests build broken files by editing a plan, not by packing bytes.
+Random drafts never agree with their targets; models/agreeing.py edits these plans into
+pairs whose draft agrees on a chosen number of proposals per round.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ir.fixtures import FixtureError, OracleFixtures
+from dflash_ir.models.agreeing import write_agreeing_pair
 from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
 
 
@@ -60,3 +61,51 @@ def tiny_pair(tmp_path_factory):
         return made[arch, dtype]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def agreeing_pair(tmp_path_factory):
+    """`get(arch, agree, dtype="f32")` -> (target, draft) paths of a pair whose draft agrees with
+    its target on exactly `agree` proposals of every round (models/agreeing.py; prompts of at
+    least `agree` tokens, never the MASK token)."""
+    made = {}
+
+    def get(arch: str, agree: int, dtype: str = "f32"):
+        if (arch, agree, dtype) not in made:
+            made[arch, agree, dtype] = write_agreeing_pair(tmp_path_factory.mktemp(f"agree{agree}-{arch}-{dtype}"),
+                                                           arch, agree, dtype=dtype)
+        return made[arch, agree, dtype]
+
+    return get
+
+
+class ScriptedLengths:
+    """A stand-in for Engine.controller that chooses the given lengths in turn."""
+
+    def __init__(self, lengths):
+        self.lengths = iter(lengths)
+
+    def can_pay(self, n_max):
+        return True
+
+    def choose(self, n_max):
+        return next(self.lengths)
+
+    def observe(self, proposed, accepted):
+        pass
+
+
+@pytest.fixture
+def scripted_lengths():
+    """`make(lengths)` -> a controller stand-in that makes an engine verify `lengths` proposals in
+    turn (0: a decode step)."""
+    return ScriptedLengths
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cost_cache(tmp_path_factory):
+    """Round costs measured at load (dflash_ir/runtime/costs.py) are cached for the session only."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DFLASH_IR_COST_CACHE", str(tmp_path_factory.mktemp("costs")))
+    yield
+    mp.undo()

@@ -13,14 +13,24 @@ The first anchor is the token sampled from the prefill logits.
 Greedy rounds read only token ids from the device (the draft's proposals, the target's
 argmax per row); logits stay there, and the accepted rows' features go from the target's
 output buffer into the draft's cache on the device. Sampling reads the logits.
+
+How many proposals a round verifies: n_max every round (`adaptive=False`), or, when the
+engine knows its costs (`costs`, measured at load), the number with the most expected
+tokens per second, down to 0: a plain target decode step (runtime/controller.py). A decode
+step's features are read to the host (its buffer is reused by the next step) and injected
+into the draft before the next speculative round.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from dflash_ir.errors import ContextOverflowError
 
+from .controller import LengthController
+from .costs import SpecCosts
 from .draft_runner import DraftRunner
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
@@ -37,15 +47,27 @@ class Generation:
 
 class Engine:
     def __init__(self, target: TargetRunner, draft: DraftRunner | None, tokenizer=None, chat_template=None,
-                 *, n_max: int = 15, info: dict | None = None):
+                 *, n_max: int = 15, info: dict | None = None, costs: SpecCosts | None = None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.n_max = n_max
         self.info = info or {}
+        self.costs = costs
         self.last_stats: GenerationStats | None = None
         self.last_rounds: list[dict] = []  # per round of the last generation: anchor_pos, anchor, proposals, accepted
+
+    @property
+    def costs(self) -> SpecCosts | None:
+        """Measured round costs on this engine's device; setting them starts a fresh controller
+        (acceptance estimates are kept across generations, they describe the draft)."""
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: SpecCosts | None) -> None:
+        self._costs = costs
+        self.controller = LengthController(costs) if costs is not None else None
 
     @property
     def n_ctx(self) -> int:
@@ -92,9 +114,12 @@ class Engine:
 
     def iter_tokens(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
                     sampling: SamplingParams = SamplingParams(), speculative: bool = True, n_max: int | None = None,
-                    stop: Sequence[str] = (), ignore_eos: bool = False, enable_thinking: bool = True) -> Iterator[list[int]]:
+                    stop: Sequence[str] = (), ignore_eos: bool = False, enable_thinking: bool = True,
+                    adaptive: bool | None = None) -> Iterator[list[int]]:
         """Yields the tokens committed by each step (the first token, then each round's accepted
-        proposals plus bonus); between yields the target state holds exactly the committed tokens."""
+        proposals plus bonus); between yields the target state holds exactly the committed tokens.
+        `adaptive` (default: when the engine knows its costs) chooses each round's length up to
+        n_max by expected tokens per second; False verifies n_max proposals every round."""
         ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(prompt, messages=messages,
                                                                                 enable_thinking=enable_thinking)
         if speculative and self.draft is None:
@@ -105,7 +130,11 @@ class Engine:
         n_max = self.n_max if n_max is None else n_max
         if speculative and not 1 <= n_max < self.draft.block_size:
             raise ValueError(f"n_max must be in 1..{self.draft.block_size - 1} (block size {self.draft.block_size}), got {n_max}")
-        stats = GenerationStats(mode="speculative" if speculative else "target-only", prompt_tokens=len(ids))
+        adaptive = speculative and (self.controller is not None if adaptive is None else adaptive)
+        if adaptive and self.controller is None:
+            raise ValueError("adaptive speculation needs the engine's measured costs (load_compiled measures them)")
+        stats = GenerationStats(mode="speculative" if speculative else "target-only", prompt_tokens=len(ids),
+                                policy=("cost-aware" if adaptive else "fixed") if speculative else "")
         self.last_stats, self.last_rounds = stats, []
         sampler = Sampler(sampling)
         stop_ids = set() if ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
@@ -122,7 +151,8 @@ class Engine:
         yield emitted
         if stopper.done:
             return
-        features = out.device_features
+        drafting = speculative and (not adaptive or self.controller.can_pay(n_max))
+        feed = _DraftFeed(self.draft, out.device_features) if drafting else None
 
         while True:
             start = self.target.n_past  # position of the anchor `token`
@@ -130,10 +160,13 @@ class Engine:
             if room < 1:
                 stats.stop_reason = f"context full ({self.n_ctx} tokens)"
                 return
-            if speculative:
+            k = 0
+            if drafting:
+                k = self.controller.choose(min(n_max, room - 1)) if adaptive else min(n_max, room - 1)
+            if k:
                 with stats.timed("draft"):
-                    self.draft.inject(features)
-                    proposals = [int(t) for t in self.draft.propose(token)[:min(n_max, room - 1)]]
+                    feed.flush()
+                    proposals = [int(t) for t in self.draft.propose(token)[:k]]
                 with stats.timed("verify"):
                     out = self.target.verify([token, *proposals])
                 with stats.timed("sample"):
@@ -141,20 +174,57 @@ class Engine:
                 with stats.timed("rollback"):
                     self.target.commit(accepted + 1)
                 stats.record_round(len(proposals), accepted)
+                if adaptive:
+                    self.controller.observe(len(proposals), accepted)
                 self.last_rounds.append({"anchor_pos": start, "anchor": token, "proposals": proposals, "accepted": accepted})
-                features = out.device_features[:accepted + 1] if out.device_features is not None else None
+                feed.add(out.device_features[:accepted + 1] if out.device_features is not None else None)
                 new = [*proposals[:accepted], bonus]
             else:
                 with stats.timed("decode"):
                     out = self.target.decode(token)
+                    if feed is not None:
+                        feed.add(out.features)
                 with stats.timed("sample"):
                     new = [_sample(sampler, out, -1)]
+            if speculative:
+                stats.record_length(k)
             token = new[-1]
             emitted = stopper.admit(new)
             if emitted:
                 yield emitted
             if stopper.done:
                 return
+
+
+class _DraftFeed:
+    """Features of committed rows not yet in the draft's cache, injected in order before the
+    next draft. A prefill's or verify's rows stay on the device (their buffers live until that
+    program runs again); a decode step's row comes already read to the host."""
+
+    def __init__(self, draft: DraftRunner, features):
+        self.draft = draft
+        self.pending = []
+        self.add(features)
+
+    def add(self, features) -> None:
+        if features is not None:
+            self.pending.append(features)
+
+    def flush(self) -> None:
+        run: list[np.ndarray] = []
+        for f in self.pending:
+            if isinstance(f, np.ndarray):
+                run.append(f)
+                continue
+            self._inject(run)
+            self.draft.inject(f)
+        self._inject(run)
+        self.pending = []
+
+    def _inject(self, host_rows: list[np.ndarray]) -> None:
+        if host_rows:
+            self.draft.inject(np.concatenate(host_rows))
+            host_rows.clear()
 
 
 def _sample(sampler: Sampler, out: TargetOutput, row: int) -> int:

@@ -16,6 +16,8 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted proposals per round -> count
+    policy: str = ""  # how speculative rounds chose their length: "fixed" (n_max) or "cost-aware"
+    lengths: list[int] = field(default_factory=list)  # per step after the first token: proposals verified, 0 = decode step
     seconds: Counter = field(default_factory=Counter)  # phase -> seconds
     stop_reason: str = ""
 
@@ -32,6 +34,14 @@ class GenerationStats:
         self.drafted += drafted
         self.accepted += accepted
         self.accept_hist[accepted] += 1
+
+    def record_length(self, proposals: int) -> None:
+        self.lengths.append(proposals)
+
+    @property
+    def decode_steps(self) -> int:
+        """Steps of a speculative generation that decoded one token instead of verifying proposals."""
+        return self.lengths.count(0)
 
     @property
     def tau(self) -> float:
@@ -68,6 +78,10 @@ class GenerationStats:
             lines.append(f"rounds: {self.rounds}; tau (tokens/round incl. bonus): {self.tau:.2f}; "
                          f"accepted/drafted: {self.accepted}/{self.drafted} = {self.acceptance_rate:.1%}")
             lines.append(f"accepted-per-round histogram: {hist}")
+        if self.lengths:
+            chosen = Counter(self.lengths)
+            split = " ".join(f"{'decode' if k == 0 else k}:{chosen[k]}" for k in sorted(chosen))
+            lines.append(f"proposals verified per step ({self.policy}): {split}")
         total = sum(self.seconds.values()) or 1.0
         split = ", ".join(f"{k} {v:.3f}s ({v / total:.0%})" for k, v in sorted(self.seconds.items()))
         lines.append(f"time: {split}")
@@ -78,6 +92,7 @@ class GenerationStats:
             "mode": self.mode, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
             "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "tau": self.tau,
             "acceptance_rate": self.acceptance_rate, "accept_hist": dict(sorted(self.accept_hist.items())),
+            "policy": self.policy, "lengths": list(self.lengths), "decode_steps": self.decode_steps,
             "seconds": dict(self.seconds), "prefill_tps": self.prefill_tps, "generate_tps": self.generate_tps,
             "stop_reason": self.stop_reason,
         }

@@ -11,6 +11,7 @@ from dflash_ir.artifact import compile_pair, load_compiled, open_engine
 from dflash_ir.backends.base import get_backend
 
 PROMPT = [5, 77, 140, 9, 260, 31, 8]
+AGREEING_PROMPT = [5, 77, 140, 9, 260, 31, 8, 101, 44, 203, 17, 66, 250, 12, 90, 133]  # >= 15 tokens, no MASK
 BACKENDS = ["opencl", "vulkan", "tvm-llvm", "tvm-opencl"]
 # PoCL, lavapipe and TVM's untuned kernels on 2 cores, with the fixtures' 248k-token vocabulary
 # in every verify: one prompt and the first 16 of the 32 recorded tokens
@@ -25,8 +26,9 @@ def backend(request) -> str:
     return request.param
 
 
-def _engine(backend, target, draft, out, n_ctx=96):
-    engine = load_compiled(compile_pair(target, draft, out=out, backend=backend, n_ctx=n_ctx), load_tokenizer=False)
+def _engine(backend, target, draft, out, n_ctx=96, measure_costs=False):
+    engine = load_compiled(compile_pair(target, draft, out=out, backend=backend, n_ctx=n_ctx), load_tokenizer=False,
+                           measure_costs=measure_costs)
     assert engine.info["backend"]["name"] == backend
     return engine
 
@@ -39,6 +41,51 @@ def test_speculative_greedy_equals_interpreter(backend, tiny_pair, arch, dtype, 
                                                           ignore_eos=True).tokens
     assert engine.generate(prompt_ids=PROMPT, max_tokens=24, speculative=False, ignore_eos=True).tokens == want
     assert engine.generate(prompt_ids=PROMPT, max_tokens=24, n_max=7, ignore_eos=True).tokens == want
+
+
+@pytest.mark.parametrize("arch, dtype", [("qwen35", "f16"), ("qwen35moe", "q8_0")])
+def test_rollback_of_all_some_or_no_proposal_rows_keeps_greedy_output(backend, agreeing_pair, arch, dtype, tmp_path):
+    """Drafts agreeing on 0 or 5 proposals per round: rounds of 7 roll back all or 2 proposal
+    rows, rounds of 3 keep every row. Tokens equal the interpreter's target-only ones and the
+    target's state equals what target-only decoding leaves (25 tokens: the first, then whole rounds)."""
+    for agree in (0, 5):
+        target, draft = agreeing_pair(arch, agree, dtype)
+        engine = _engine(backend, target, draft, tmp_path / f"art{agree}")
+        want = open_engine(target, draft, n_ctx=96).generate(prompt_ids=AGREEING_PROMPT, max_tokens=25,
+                                                              speculative=False, ignore_eos=True).tokens
+        assert engine.generate(prompt_ids=AGREEING_PROMPT, max_tokens=25, speculative=False,
+                               ignore_eos=True).tokens == want
+        decoded = _committed_states(engine.target)
+        for n_max in (3, 7) if agree else (7,):
+            gen = engine.generate(prompt_ids=AGREEING_PROMPT, max_tokens=25, n_max=n_max, ignore_eos=True)
+            assert gen.tokens == want
+            assert {r["accepted"] for r in gen.rounds} == {min(agree, n_max)}
+            for name, state in _committed_states(engine.target).items():
+                assert np.abs(state - decoded[name]).max() <= 1e-4 * max(1.0, np.abs(decoded[name]).max()), name
+
+
+def test_cost_aware_length_and_decode_steps_keep_greedy_output(backend, agreeing_pair, scripted_lengths, tmp_path):
+    """Measured costs drive the length; then decode steps between rounds leave a verify's
+    accepted features waiting on the device, and they still reach the draft in order: every
+    round of a draft agreeing on 5 proposals accepts min(5, k)."""
+    target, draft = agreeing_pair("qwen35", 5, "f16")
+    engine = _engine(backend, target, draft, tmp_path / "art", measure_costs=True)
+    costs = engine.costs
+    assert len(costs.verify) == 16 and min(costs.verify) > 0 and costs.decode > 0 and costs.draft > 0
+    want = open_engine(target, draft, n_ctx=96).generate(prompt_ids=AGREEING_PROMPT, max_tokens=30,
+                                                          speculative=False, ignore_eos=True).tokens
+    gen = engine.generate(prompt_ids=AGREEING_PROMPT, max_tokens=30, ignore_eos=True)
+    assert gen.tokens == want and gen.stats.policy == "cost-aware"
+    script = [0, 0, 7, 0, 3, 0, 0, 7, 7, 0, 2]
+    engine.controller = scripted_lengths(script + [6] * 30)
+    gen = engine.generate(prompt_ids=AGREEING_PROMPT, max_tokens=30, ignore_eos=True)
+    assert gen.tokens == want and gen.stats.lengths[:len(script)] == script
+    assert [r["accepted"] for r in gen.rounds] == [min(5, len(r["proposals"])) for r in gen.rounds]
+
+
+def _committed_states(target) -> dict[str, np.ndarray]:
+    """The target's states on the host: KV rows of committed positions, all recurrent state."""
+    return {k: np.asarray(v)[:target.n_past] if k.endswith("_cache") else np.asarray(v) for k, v in target.states.items()}
 
 
 def test_greedy_rounds_move_only_token_ids_through_the_host(backend, tiny_pair, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from dflash_ir.runtime.target_runner import TargetOutput
 
 ARCHS = ["qwen35", "qwen35moe"]
 PROMPT = [5, 77, 123, 9, 250, 31, 8]
+AGREEING_PROMPT = [5, 77, 140, 9, 260, 31, 8, 101, 44, 203, 17, 66, 250, 12, 90, 133]  # >= 15 tokens, no MASK
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +39,28 @@ def test_greedy_speculative_equals_target_only(engines, arch, n_max):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_target_state_after_every_round_equals_fresh_run(engines, arch):
-    e = engines(arch)
-    committed = list(PROMPT)
     reference = engines(arch, load_tokenizer=False, n_max=15)  # same files, independent runner state
-    for step, new in enumerate(e.iter_tokens(prompt_ids=PROMPT, max_tokens=30, n_max=7)):
+    accepted = _check_state_after_every_round(engines(arch), reference, PROMPT, n_max=7, max_tokens=30)
+    assert set(accepted) == {0}  # a random draft: every round rolls back all its proposal rows
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("n_max, kept", [(3, 3), (7, 5)])
+def test_state_after_rounds_that_keep_all_or_some_rows_equals_fresh_run(agreeing_pair, arch, n_max, kept):
+    """A draft agreeing on 5 proposals: rounds of 3 keep every row, rounds of 7 roll back 2.
+    25 tokens = the first + whole rounds of 4 or of 6 (a cut round would commit more than it emits)."""
+    pair = agreeing_pair(arch, 5)
+    reference = open_engine(*pair, n_ctx=96)
+    accepted = _check_state_after_every_round(open_engine(*pair, n_ctx=96), reference, AGREEING_PROMPT, n_max=n_max,
+                                              max_tokens=25)
+    assert set(accepted) == {kept}
+
+
+def _check_state_after_every_round(e, reference, prompt, *, n_max, max_tokens) -> list[int]:
+    """After every speculative round, e's target state equals a fresh prefill + decode of the
+    committed tokens on `reference`; returns each round's accepted count."""
+    committed = list(prompt)
+    for step, new in enumerate(e.iter_tokens(prompt_ids=prompt, max_tokens=max_tokens, n_max=n_max)):
         committed += new
         if step == 0:
             continue
@@ -49,12 +68,13 @@ def test_target_state_after_every_round_equals_fresh_run(engines, arch):
         assert t.n_past == len(committed) - 1  # the last committed token is the next anchor
         r = reference.target
         r.reset()
-        r.prefill(committed[:len(PROMPT)])
-        for tok in committed[len(PROMPT):-1]:
+        r.prefill(committed[:len(prompt)])
+        for tok in committed[len(prompt):-1]:
             r.decode(tok)
         for k, v in r.states.items():
             got, want = (t.states[k][:t.n_past], v[:t.n_past]) if k.endswith("_cache") else (t.states[k], v)
             assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), (step, k)
+    return [r["accepted"] for r in e.last_rounds]
 
 
 def test_sample_and_match_keeps_the_target_distribution():

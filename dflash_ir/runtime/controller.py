@@ -1,0 +1,85 @@
+"""How many proposals to verify each round: the number that maximises expected tokens per
+second, 0 meaning a plain target decode step (the costs come from runtime/costs.py).
+
+Acceptance: p_i = P(proposal i is accepted | proposals 1..i-1 were), i = 1..B-1, estimated
+online. A round that verified k proposals and accepted a of them is a success at positions
+1..a and a failure at a+1 (when a < k); later positions are not observed. Each estimate
+is its observations plus a prior worth PRIOR_ROUNDS observations: PRIOR_ACCEPT for position
+1, the estimate of position i-1 for position i (a draft right up to its last proposal is
+believed to go on being right; one that fails early, to go on failing). Observations fade
+by DECAY per round, so the estimates follow the text being generated.
+
+    tokens(k) = 1 + sum_{j=1..k} prod_{i<=j} p_i      (the bonus token plus expected accepted proposals)
+    rate(k)   = tokens(k) / (cost(draft block) + cost(verify of k+1 rows)),   rate(0) = 1 / cost(decode)
+
+A round takes the k in 0..n_max with the highest rate (the shortest on a tie).
+
+Decoding teaches nothing about the draft, so the controller also probes: each decode step it
+chooses earns EXPLORE of its cost as credit, and once the credit pays for a probe, the round
+speculates with the length that would be best if the draft were always right. Probes thus
+cost at most EXPLORE of the time spent decoding. When even that best case does not beat
+decoding (`can_pay` is false), the controller never speculates.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .costs import SpecCosts
+
+PRIOR_ACCEPT = 0.75  # before any round: 15 proposals give tau ~ 4, the low end of published DFlash drafts
+PRIOR_ROUNDS = 2.0   # weight of the prior, in observed rounds
+DECAY = 0.95         # per round: the estimates remember the last ~20 rounds
+EXPLORE = 0.03       # share of decoding time that probes may spend
+
+
+class LengthController:
+    def __init__(self, costs: SpecCosts):
+        self.costs = costs
+        self.trials = np.zeros(costs.max_proposals)
+        self.hits = np.zeros(costs.max_proposals)
+        self.credit = 0.0  # seconds of probing earned by decode steps
+
+    def acceptance(self) -> np.ndarray:
+        """p_i for i = 1..B-1 (index i-1)."""
+        p = np.empty(len(self.trials))
+        prior = PRIOR_ACCEPT
+        for i, (hits, trials) in enumerate(zip(self.hits, self.trials)):
+            prior = p[i] = (hits + PRIOR_ROUNDS * prior) / (trials + PRIOR_ROUNDS)
+        return p
+
+    def round_seconds(self, k: int) -> float:
+        return self.costs.decode if k == 0 else self.costs.draft + self.costs.verify_rows(k + 1)
+
+    def rate(self, k: int, acceptance: np.ndarray) -> float:
+        """Expected committed tokens per second of a round verifying k proposals."""
+        tokens = 1.0 + float(np.cumprod(acceptance[:k]).sum())
+        return tokens / self.round_seconds(k)
+
+    def best(self, n_max: int, acceptance: np.ndarray) -> int:
+        return int(np.argmax([self.rate(k, acceptance) for k in range(n_max + 1)]))
+
+    def best_case(self, n_max: int) -> int:
+        """The best length if every proposal were accepted (0: speculation never pays here)."""
+        return self.best(n_max, np.ones(self.costs.max_proposals))
+
+    def can_pay(self, n_max: int) -> bool:
+        return self.best_case(n_max) > 0
+
+    def choose(self, n_max: int) -> int:
+        """Proposals to verify this round (0: decode), at most n_max."""
+        k = self.best(n_max, self.acceptance())
+        if k:
+            return k
+        probe = self.best_case(n_max)
+        if probe and self.credit >= self.round_seconds(probe):
+            self.credit -= self.round_seconds(probe)
+            return probe
+        self.credit += EXPLORE * self.costs.decode
+        return 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Record a round that verified `proposed` proposals and accepted `accepted`."""
+        self.trials *= DECAY
+        self.hits *= DECAY
+        self.trials[:min(accepted + 1, proposed)] += 1
+        self.hits[:accepted] += 1

@@ -1,0 +1,126 @@
+"""What one speculative round costs on the device an engine runs on, so that the engine can
+choose how long to speculate (runtime/controller.py): seconds per target verify of k rows
+(k = 1..B: the anchor and k-1 proposals), per target decode step, and per draft block
+(inject one committed row + propose).
+
+Measured once per artifact and device, at load, and cached as JSON under
+`$DFLASH_IR_COST_CACHE` (default ~/.cache/dflash-ir/costs): an entry is keyed by the
+artifact's manifest (which pins the dflash-ir version, the sources and every compiled file)
+and by the device, so a recompiled artifact or another device is measured afresh. Costs are
+taken at a short context: attention's share of a verify grows with the context.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .draft_runner import DraftRunner
+from .target_runner import TargetRunner
+
+MEASURE_CONTEXT = 32   # committed tokens the costs are measured on top of (fewer in a small context)
+MEASURE_BUDGET_S = 1.0  # timed passes after the warm-up pass stop once this is spent
+MAX_PASSES = 5
+_FORMAT = 2  # 2: fastest pass, verify costs non-decreasing in k
+
+
+@dataclass(frozen=True)
+class SpecCosts:
+    verify: tuple[float, ...]  # verify[k - 1]: seconds for a verify of k rows, k = 1..B
+    decode: float              # seconds per target decode step
+    draft: float               # seconds per draft block (inject one row + propose)
+
+    def verify_rows(self, k: int) -> float:
+        return self.verify[k - 1]
+
+    @property
+    def max_proposals(self) -> int:
+        return len(self.verify) - 1
+
+    def summary(self) -> str:
+        steps = ", ".join(f"{k}: {1e3 * s:.2f}" for k, s in enumerate(self.verify, 1))
+        return (f"decode step {1e3 * self.decode:.2f} ms; draft block {1e3 * self.draft:.2f} ms; "
+                f"verify of k rows (ms) {steps}")
+
+
+def measure_round_costs(target: TargetRunner, draft: DraftRunner, *, budget_s: float = MEASURE_BUDGET_S) -> SpecCosts:
+    """Times every call a round can make: one untimed pass (first calls build launch lists and
+    kernels), then passes until `budget_s` is spent (at least one, at most MAX_PASSES). Each
+    figure is its fastest pass (other work on the machine only ever adds time), and a verify
+    of k rows costs at most what a longer verify costs (which removes what noise still adds).
+    Leaves both runners reset."""
+    B = draft.block_size
+    context = min(MEASURE_CONTEXT, target.n_ctx - B - MAX_PASSES - 1)  # room for every decode and a verify
+    if context < 1:
+        raise ValueError(f"measuring costs needs a context of more than {B + MAX_PASSES + 1} tokens, this engine "
+                         f"has {target.n_ctx}: compile with a larger one, or load with measure_costs=False")
+    _reset(target, draft)
+    draft.inject(target.prefill(np.zeros(context, np.int32)).device_features)
+    fed = {}
+
+    def decode():
+        fed["features"] = target.decode(0).device_features
+
+    def draft_block():
+        draft.inject(fed["features"])
+        draft.propose(0)
+
+    calls: dict[str, Callable[[], object]] = {"decode": decode, "draft": draft_block}
+    calls |= {f"verify{k}": (lambda k=k: target.verify(np.zeros(k, np.int32))) for k in range(1, B + 1)}
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for name, call in calls.items():  # warm-up
+        call()
+    spent, passes = 0.0, 0
+    while passes < 1 or (spent < budget_s and passes < MAX_PASSES):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - t0)
+        spent += sum(s[-1] for s in samples.values())
+        passes += 1
+    _reset(target, draft)
+    fastest = {name: min(s) for name, s in samples.items()}
+    verify = np.minimum.accumulate([fastest[f"verify{k}"] for k in range(B, 0, -1)])[::-1]
+    return SpecCosts(tuple(float(v) for v in verify), fastest["decode"], fastest["draft"])
+
+
+def _reset(target: TargetRunner, draft: DraftRunner) -> None:
+    target.reset()
+    draft.reset()
+
+
+def artifact_costs(engine, manifest_text: str, backend) -> SpecCosts:
+    """The engine's round costs on `backend`'s device: cached, else measured now."""
+    device = f"{backend.name}: {backend.device_description()} ({backend.profile()} profile, {os.cpu_count()} host CPUs)"
+    return cached_costs(manifest_text, device, lambda: measure_round_costs(engine.target, engine.draft))
+
+
+def cost_cache_dir() -> Path:
+    if env := os.environ.get("DFLASH_IR_COST_CACHE"):
+        return Path(env)
+    return Path.home() / ".cache" / "dflash-ir" / "costs"
+
+
+def cached_costs(artifact: str, device: str, measure: Callable[[], SpecCosts], *,
+                 folder: Path | None = None) -> SpecCosts:
+    """The costs recorded for (`artifact`, `device`), else `measure()`'s, recorded for next time.
+    `artifact` identifies the compiled artifact (its manifest text), `device` the device it runs on."""
+    folder = cost_cache_dir() if folder is None else Path(folder)
+    key = {"format": _FORMAT, "artifact": hashlib.sha256(artifact.encode()).hexdigest(), "device": device}
+    path = folder / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+    if path.is_file():
+        entry = json.loads(path.read_text())
+        if entry.get("key") == key:
+            return SpecCosts(tuple(entry["costs"]["verify"]), entry["costs"]["decode"], entry["costs"]["draft"])
+    costs = measure()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "costs": asdict(costs)}, indent=1))
+    os.replace(tmp, path)
+    return costs

@@ -1,0 +1,130 @@
+"""The cost-aware length (runtime/controller.py): its choice against hand-derived expectations
+for given costs and acceptance, and speculative output equal to target-only output whatever
+it chooses, on drafts that agree on 0, 5 or 15 proposals per round."""
+import pytest
+
+from dflash_ir.artifact import open_engine
+from dflash_ir.runtime.controller import EXPLORE, LengthController
+from dflash_ir.runtime.costs import SpecCosts
+
+MS = 1e-3
+PROMPT = [5, 77, 140, 9, 260, 31, 8, 101, 44, 203, 17, 66, 250, 12, 90, 133]  # >= 15 tokens, no MASK
+
+
+def _costs(verify_rows, *, decode, draft) -> SpecCosts:
+    """Costs in ms; verify_rows(r) is the cost of a verify of r rows, r = 1..16."""
+    return SpecCosts(tuple(verify_rows(r) * MS for r in range(1, 17)), decode * MS, draft * MS)
+
+
+def test_decodes_when_verify_is_costly_and_acceptance_low():
+    # decode 1, draft 1, verify of r rows 1 + r: k proposals take 1 + (k + 2) = k + 3 ms for at most
+    # k + 1 tokens, under the decode step's 1 token per ms even if every proposal were right
+    c = LengthController(_costs(lambda r: 1 + r, decode=1, draft=1))
+    assert not c.can_pay(15)
+    for _ in range(5):
+        c.observe(3, 0)
+    assert c.choose(15) == 0
+
+
+def test_uses_the_longest_block_when_acceptance_is_high_and_verify_cheap():
+    # a verify costs one decode step whatever its rows, the draft a tenth: tokens(k) grows with k
+    # at a constant cost, so the longest block wins, from the prior on and after full acceptance
+    c = LengthController(_costs(lambda r: 1, decode=1, draft=0.1))
+    assert c.choose(15) == 15
+    for _ in range(5):
+        c.observe(15, 15)
+    assert c.choose(15) == 15 and c.choose(6) == 6
+
+
+def test_choice_follows_the_documented_rate():
+    """One round that verified 2 proposals and accepted 1 (prior weight 2, each position's prior
+    the estimate before it): p1 = (1 + 2 * 0.75) / 3 = 5/6, p2 = (0 + 2 * 5/6) / 3 = 5/9, and
+    p3.. = 5/9 (not observed: their prior alone).
+    decode 2 ms, draft 1 ms, verify of r rows 0.5 + 0.5 r ms:
+      rate(0) = 1/2                                 = 0.5
+      rate(1) = (1 + 5/6) / (1 + 1.5)               = 0.733
+      rate(2) = (1 + 5/6 + 25/54) / (1 + 2)         = 0.765
+      rate(3) = (1 + 5/6 + 25/54 + 125/486) / 3.5   = 0.730
+      rate(4) = (... + 625/4374) / 4                = 0.674, and falling  -> 2
+    With a 1 ms decode step, rate(0) = 1 beats every length -> 0."""
+    c = LengthController(_costs(lambda r: 0.5 + 0.5 * r, decode=2, draft=1))
+    c.observe(2, 1)
+    assert c.acceptance()[:4] == pytest.approx([5 / 6, 5 / 9, 5 / 9, 5 / 9])
+    assert [round(c.rate(k, c.acceptance()) * MS, 3) for k in range(5)] == [0.5, 0.733, 0.765, 0.73, 0.674]
+    assert c.choose(15) == 2
+    assert LengthController(_costs(lambda r: 0.5 + 0.5 * r, decode=1, draft=1)).choose(15) == 0
+
+
+def test_a_round_observes_the_accepted_positions_and_the_first_rejection():
+    c = LengthController(_costs(lambda r: 1, decode=1, draft=1))
+    c.observe(7, 3)  # positions 1..3 right, 4 wrong, 5..7 not seen
+    p1 = 2.5 / 3
+    p2 = (1 + 2 * p1) / 3
+    p3 = (1 + 2 * p2) / 3
+    p4 = 2 * p3 / 3
+    assert c.acceptance()[:6] == pytest.approx([p1, p2, p3, p4, p4, p4])
+    c.observe(2, 2)  # both right, nothing rejected; the earlier round fades by 0.95
+    q1 = (0.95 + 1 + 2 * 0.75) / (0.95 + 1 + 2)
+    q2 = (0.95 + 1 + 2 * q1) / (0.95 + 1 + 2)
+    q3 = (0.95 + 2 * q2) / (0.95 + 2)
+    assert c.acceptance()[:4] == pytest.approx([q1, q2, q3, 2 * q3 / (0.95 + 2)])
+
+
+def test_probes_spend_at_most_the_exploration_share_of_decoding():
+    # decode 1, draft 1, verify of r rows 1 + r/4: a right draft would pay most at 15 proposals
+    # (16 tokens in 6 ms); the prior (tokens(15) = 3.96 in 6 ms) and this draft, never right,
+    # say decode, so the controller decodes and probes
+    c = LengthController(_costs(lambda r: 1 + r / 4, decode=1, draft=1))
+    assert c.best_case(15) == 15
+    choices = []
+    for _ in range(3000):
+        k = c.choose(15)
+        if k:
+            c.observe(k, 0)
+        choices.append(k)
+    probes = [k for k in choices if k]
+    # n probes of 6 ms each need n * 6 <= 0.03 * (3000 - n) ms earned by decode steps: n = 14
+    assert set(probes) == {15} and len(probes) == 14
+    assert len(probes) * c.round_seconds(15) <= EXPLORE * choices.count(0) * MS
+
+
+def test_decode_steps_between_rounds_keep_the_draft_context_whole(agreeing_pair, scripted_lengths):
+    """Rows committed by decode steps reach the draft's context before the next round: the
+    copy draft reads positions back from the anchor, so a gap or a misordered row would
+    change what it proposes, and every round still accepts min(5, k)."""
+    engine = open_engine(*agreeing_pair("qwen35", 5), n_ctx=96)
+    script = [0, 0, 7, 0, 3, 0, 0, 0, 7, 7, 0, 2, 0]
+    plain = engine.generate(prompt_ids=PROMPT, max_tokens=40, speculative=False, ignore_eos=True).tokens
+    engine.controller = scripted_lengths(script + [6] * 40)
+    gen = engine.generate(prompt_ids=PROMPT, max_tokens=40, ignore_eos=True)
+    assert gen.tokens == plain and gen.stats.lengths[:len(script)] == script
+    assert [r["accepted"] for r in gen.rounds] == [min(5, len(r["proposals"])) for r in gen.rounds]
+    assert gen.stats.decode_steps == script.count(0) and gen.stats.policy == "cost-aware"
+    assert f"proposals verified per step (cost-aware): decode:{gen.stats.decode_steps} 2:1 3:1 6:" in gen.stats.summary()
+
+
+# a GPU-like device: a verify costs about one decode step plus a little per row, the draft a fifth
+CHEAP_VERIFY = _costs(lambda r: 1 + 0.1 * r, decode=1, draft=0.2)
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+@pytest.mark.parametrize("agree, settles_in", [(0, {0}), (5, {5, 6}), (15, {15})])
+def test_cost_aware_greedy_equals_target_only(agreeing_pair, arch, agree, settles_in):
+    """With verify cheap, the controller settles where the draft stops agreeing: decoding for a
+    draft that is never right, 5 for one right 5 times per round (and now and then 6, as the
+    estimate of position 6 fades back towards the prior), the longest block for one always right."""
+    engine = open_engine(*agreeing_pair(arch, agree), n_ctx=128)
+    plain = engine.generate(prompt_ids=PROMPT, max_tokens=60, speculative=False, ignore_eos=True).tokens
+    engine.costs = CHEAP_VERIFY
+    gen = engine.generate(prompt_ids=PROMPT, max_tokens=60, ignore_eos=True)
+    assert gen.tokens == plain
+    assert set(gen.stats.lengths[-4:]) <= settles_in, gen.stats.lengths
+    assert all(r["accepted"] == min(agree, len(r["proposals"])) for r in gen.rounds)
+
+
+def test_when_speculation_cannot_pay_the_draft_is_left_alone(agreeing_pair):
+    engine = open_engine(*agreeing_pair("qwen35", 15), n_ctx=96)
+    engine.costs = _costs(lambda r: 1 + r, decode=1, draft=1)
+    gen = engine.generate(prompt_ids=PROMPT, max_tokens=20, ignore_eos=True)
+    assert gen.stats.lengths == [0] * 19 and gen.stats.rounds == 0
+    assert engine.draft.ctx_len == 0  # no context kept for a draft that will not run

@@ -1,0 +1,79 @@
+"""Round costs (runtime/costs.py): measured for every verify length, the decode step and the
+draft block; cached per artifact and device, reused on later loads, measured afresh when the
+artifact or the device changes."""
+import json
+
+import pytest
+
+from dflash_ir.artifact import compile_pair, load_compiled, open_engine
+from dflash_ir.backends.numpy_backend import NumpyBackend
+from dflash_ir.runtime import costs as costs_module
+from dflash_ir.runtime.costs import SpecCosts, cached_costs, measure_round_costs
+
+
+def test_measurement_times_every_call_of_a_round_and_leaves_the_runners_reset(tiny_pair):
+    engine = open_engine(*tiny_pair("qwen35"), n_ctx=64)
+    costs = measure_round_costs(engine.target, engine.draft, budget_s=0.1)
+    assert len(costs.verify) == engine.draft.block_size
+    assert min(costs.verify) > 0 and costs.decode > 0 and costs.draft > 0
+    assert list(costs.verify) == sorted(costs.verify)  # a longer verify never costs less
+    assert engine.target.n_past == 0 and engine.draft.ctx_len == 0
+
+
+def test_measurement_needs_room_for_a_verify_block(tiny_pair):
+    engine = open_engine(*tiny_pair("qwen35"), n_ctx=20)
+    with pytest.raises(ValueError, match="more than 22 tokens, this engine has 20"):
+        measure_round_costs(engine.target, engine.draft)
+
+
+class _Measure:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self) -> SpecCosts:
+        self.calls += 1
+        return SpecCosts(tuple(float(self.calls + k) for k in range(16)), 0.5, 0.25)
+
+
+def test_cache_is_reused_for_the_same_artifact_and_device_only(tmp_path):
+    measure = _Measure()
+    first = cached_costs("manifest A", "device 1", measure, folder=tmp_path)
+    assert cached_costs("manifest A", "device 1", measure, folder=tmp_path) == first and measure.calls == 1
+    assert cached_costs("manifest B", "device 1", measure, folder=tmp_path) != first and measure.calls == 2
+    assert cached_costs("manifest A", "device 2", measure, folder=tmp_path) != first and measure.calls == 3
+    assert cached_costs("manifest A", "device 1", measure, folder=tmp_path) == first and measure.calls == 3
+
+
+def test_an_entry_recorded_for_another_key_is_not_used(tmp_path):
+    measure = _Measure()
+    cached_costs("manifest A", "device 1", measure, folder=tmp_path)
+    (entry,) = tmp_path.glob("*.json")
+    data = json.loads(entry.read_text())
+    data["key"]["device"] = "device 2"
+    entry.write_text(json.dumps(data))
+    cached_costs("manifest A", "device 1", measure, folder=tmp_path)
+    assert measure.calls == 2
+
+
+def test_load_measures_once_per_artifact_and_device(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_IR_COST_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def counted(target, draft, **kw):
+        calls.append(1)
+        return measure(target, draft, budget_s=0.05)
+
+    measure = costs_module.measure_round_costs
+    monkeypatch.setattr(costs_module, "measure_round_costs", counted)
+    pair = tiny_pair("qwen35")
+    art = compile_pair(*pair, out=tmp_path / "art", n_ctx=64)
+    first = load_compiled(art, load_tokenizer=False).costs
+    assert len(calls) == 1 and len(first.verify) == 16
+    assert load_compiled(art, load_tokenizer=False).costs == first and len(calls) == 1
+    assert load_compiled(art, load_tokenizer=False, measure_costs=False).costs is None and len(calls) == 1
+    compile_pair(*pair, out=art, n_ctx=64, n_max=7)  # the same folder, another artifact
+    load_compiled(art, load_tokenizer=False)
+    assert len(calls) == 2
+    monkeypatch.setattr(NumpyBackend, "device_description", lambda self: "another host")
+    load_compiled(art, load_tokenizer=False)
+    assert len(calls) == 3

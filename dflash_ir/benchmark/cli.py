@@ -5,6 +5,8 @@ results.md and PNG plots to --out.
 
     dflash-bench                                  every suite, backend and model (minutes)
     dflash-bench --suites kernels -b opencl       one suite on one backend
+    dflash-bench --suites tau -b opencl --models synthetic --taus 1,6,16
+                                                  speculative tokens/s at chosen acceptance lengths
     dflash-bench --quick                          small shapes and models: a smoke run
 """
 from __future__ import annotations
@@ -28,10 +30,11 @@ from . import kernels as kernel_suite
 from . import limits as limit_suite
 from . import models as model_suite
 from . import peer as peer_suite
+from . import tau as tau_suite
 from .measure import time_calls
 from .report import Results, write_all
 
-SUITES = ("limits", "kernels", "e2e", "peer")
+SUITES = ("limits", "kernels", "e2e", "tau", "peer")
 MODELS = ("demo", "synthetic")
 
 
@@ -149,7 +152,34 @@ class Bench:
                              if row.generated_tokens < self.args.max_tokens else "")
                     self.say(f"  {m.name:10s} {b.name:10s} prefill {row.prefill_tps:8.1f} tok/s  decode "
                              f"{row.decode_tps:7.1f} tok/s  speculative {row.speculative_tps:7.1f} tok/s  "
-                             f"tau {row.tau:5.2f}  ({row.speedup:.2f}x){fewer}")
+                             f"tau {row.tau:5.2f}  ({row.speedup:.2f}x; cost-aware {row.adaptive_speedup:.2f}x){fewer}")
+
+    def tau_sweep(self, backends, models) -> None:
+        self.say("\n== speed-up vs tau (scripted draft) ==")
+        for m in models:
+            for b in backends:
+                def sweep(b=b):
+                    try:
+                        return tau_suite.run_tau_sweep(b.name, m, self.work / "e2e", taus=self.args.taus,
+                                                       max_tokens=self.args.max_tokens,
+                                                       repeats=1 if self.args.quick else 3)
+                    except tau_suite.TooSlow as e:
+                        self.say(f"  {m.name} / {b.name}: skipped ({e})")
+                        return None
+
+                got = self.attempt(f"tau/{b.name}/{m.name}", sweep)
+                if not got:
+                    continue
+                costs, points = got
+                self.results.costs.append({"backend": b.name, "model": m.name, "decode_ms": costs.decode * 1e3,
+                                           "draft_ms": costs.draft * 1e3,
+                                           "verify_ms": [v * 1e3 for v in costs.verify]})
+                self.say(f"  {m.name} / {b.name}: {costs.summary()}")
+                for p in points:
+                    self.results.tau.append(p.to_dict())
+                    self.say(f"  {m.name:10s} {b.name:10s} tau {p.tau:2d}: decode {p.decode_tps:7.1f} tok/s  "
+                             f"15 proposals {p.fixed_tps:7.1f} ({p.fixed_speedup:.2f}x)  cost-aware "
+                             f"{p.adaptive_tps:7.1f} ({p.adaptive_speedup:.2f}x)  lengths {p.lengths}")
 
     def peer(self, models) -> None:
         self.say("\n== peer: llama.cpp ==")
@@ -189,13 +219,26 @@ class Bench:
             self.limits(backends)
         if "kernels" in suites:
             self.kernels(backends)
-        if "e2e" in suites or "peer" in suites:
+        if {"e2e", "tau", "peer"} & set(suites):
             models = self.models()
             if "e2e" in suites:
                 self.end_to_end(backends, models)
+            if "tau" in suites:
+                self.tau_sweep(backends, models)
             if "peer" in suites:
                 self.peer(models)
         return self.results
+
+
+def _taus(text: str) -> tuple[int, ...]:
+    """`1,6,16` or `1-16` (or a mix) -> the acceptance lengths, each in 1..16."""
+    taus = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        taus += range(int(first), int(last or first) + 1)
+    if not taus or not all(1 <= t <= 16 for t in taus):
+        raise argparse.ArgumentTypeError(f"acceptance lengths must lie in 1..16, got {text!r}")
+    return tuple(taus)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,11 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small shapes and models, short timing: a smoke run")
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per kernel figure (default 1)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per end-to-end run (default 32)")
+    p.add_argument("--taus", type=_taus, default=tau_suite.TAUS,
+                   help="acceptance lengths of the tau suite, e.g. 1,6,16 or 1-16 (default 1-16; --quick: 1,6,16)")
     p.add_argument("-o", "--out", default="bench-results", help="folder for results.json, results.md, *.png")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed measurements")
     args = p.parse_args(argv)
     if args.quick and args.max_tokens == 32:
         args.max_tokens = 16
+    if args.quick and args.taus == tau_suite.TAUS:
+        args.taus = (1, 6, 16)
 
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as work:
         results = Bench(args, Path(work)).run()

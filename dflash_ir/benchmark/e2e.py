@@ -1,7 +1,7 @@
 """End to end on one backend and model pair: prefill tokens/s, target-only decode tokens/s,
-speculative tokens/s and tau, through the same compile + load path users take. Greedy, so
-the speculative tokens must equal the target-only ones: a run where they differ is an error,
-not a number."""
+speculative tokens/s with 15 proposals every round and with the cost-aware length, and tau,
+through the same compile + load path users take. Greedy, so the speculative tokens must
+equal the target-only ones: a run where they differ is an error, not a number."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -24,7 +24,8 @@ class EndToEnd:
     generated_tokens: int
     prefill_tps: float
     decode_tps: float            # target only
-    speculative_tps: float
+    speculative_tps: float       # 15 proposals every round
+    adaptive_tps: float          # the cost-aware length
     tau: float
     accept_hist: dict[int, int]
     prompt_ids: list[int]
@@ -34,8 +35,27 @@ class EndToEnd:
     def speedup(self) -> float:
         return self.speculative_tps / self.decode_tps if self.decode_tps else 0.0
 
+    @property
+    def adaptive_speedup(self) -> float:
+        return self.adaptive_tps / self.decode_tps if self.decode_tps else 0.0
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "speedup": self.speedup}
+        return {**asdict(self), "speedup": self.speedup, "adaptive_speedup": self.adaptive_speedup}
+
+
+def compiled_engine(backend: str, model: BenchModel, work_dir: Path, *, n_ctx: int):
+    """The pair compiled for `backend` (once per work folder) and loaded, its round costs measured."""
+    out = Path(work_dir) / f"{model.name}-{backend}-{n_ctx}"
+    if not (out / "manifest.yaml").is_file():
+        compile_pair(model.target, model.draft, out=out, backend=backend, n_ctx=n_ctx)
+    return load_compiled(out, load_tokenizer=model.prompt is not None)
+
+
+def prompt_ids(engine, model: BenchModel, n: int = 64) -> list[int]:
+    """The model's prompt, or n random ids for a model without a real tokenizer."""
+    if model.prompt is not None:
+        return engine.encode_prompt(model.prompt)
+    return np.random.default_rng(0).integers(16, RANDOM_IDS_BELOW, n).tolist()
 
 
 def run_end_to_end(backend: str, model: BenchModel, work_dir: Path, *, prompt_tokens: int = 64,
@@ -43,27 +63,27 @@ def run_end_to_end(backend: str, model: BenchModel, work_dir: Path, *, prompt_to
     """`max_tokens` per timed generation, fewer where the warm-up's speed says that many
     would take longer than `seconds` (a slow backend on the synthetic target: minutes per
     token); the result records how many were generated."""
-    out = compile_pair(model.target, model.draft, out=Path(work_dir) / f"{model.name}-{backend}", backend=backend,
-                       n_ctx=n_ctx)
-    engine = load_compiled(out, load_tokenizer=model.prompt is not None)
-    if model.prompt is not None:
-        ids = engine.encode_prompt(model.prompt)
-    else:
-        ids = np.random.default_rng(0).integers(16, RANDOM_IDS_BELOW, prompt_tokens).tolist()
+    engine = compiled_engine(backend, model, work_dir, n_ctx=n_ctx)
+    ids = prompt_ids(engine, model, prompt_tokens)
     # warm-up (first launches build kernels on some backends), which also prices a token
-    warm = [engine.generate(prompt_ids=ids, max_tokens=4, speculative=s, ignore_eos=True) for s in (True, False)]
-    affordable = min(seconds * _after_first(w) for w in warm)
+    warm = [engine.generate(prompt_ids=ids, max_tokens=4, speculative=s, adaptive=False, ignore_eos=True)
+            for s in (True, False)]
+    affordable = min(seconds * after_first_tps(w) for w in warm)
     n = max(2, min(max_tokens, int(affordable)))
     plain = engine.generate(prompt_ids=ids, max_tokens=n, speculative=False, ignore_eos=True)
-    spec = engine.generate(prompt_ids=ids, max_tokens=n, speculative=True, ignore_eos=True)
-    if spec.tokens != plain.tokens:
-        raise AssertionError(f"{backend}/{model.name}: speculative tokens differ from target-only tokens:\n"
-                             f"  speculative {spec.tokens}\n  target-only {plain.tokens}")
-    return EndToEnd(backend, model.name, len(ids), len(plain.tokens), plain.stats.prefill_tps, _after_first(plain),
-                    _after_first(spec), spec.stats.tau, dict(sorted(spec.stats.accept_hist.items())), list(ids), plain.tokens)
+    runs = {}
+    for adaptive in (False, True):
+        runs[adaptive] = engine.generate(prompt_ids=ids, max_tokens=n, adaptive=adaptive, n_max=15, ignore_eos=True)
+        if runs[adaptive].tokens != plain.tokens:
+            raise AssertionError(f"{backend}/{model.name}: speculative tokens (adaptive={adaptive}) differ from "
+                                 f"target-only tokens:\n  speculative {runs[adaptive].tokens}\n  target-only {plain.tokens}")
+    spec = runs[False]
+    return EndToEnd(backend, model.name, len(ids), len(plain.tokens), plain.stats.prefill_tps, after_first_tps(plain),
+                    after_first_tps(spec), after_first_tps(runs[True]), spec.stats.tau,
+                    dict(sorted(spec.stats.accept_hist.items())), list(ids), plain.tokens)
 
 
-def _after_first(gen) -> float:
+def after_first_tps(gen) -> float:
     """Tokens/s after the first token (which prefill produces), as llama.cpp counts decode."""
     seconds = gen.stats.generate_seconds
     return (len(gen.tokens) - 1) / seconds if seconds else 0.0

@@ -16,6 +16,8 @@ class Results:
     limits: list[dict[str, Any]] = field(default_factory=list)
     kernels: list[dict[str, Any]] = field(default_factory=list)
     e2e: list[dict[str, Any]] = field(default_factory=list)
+    costs: list[dict[str, Any]] = field(default_factory=list)  # measured round costs per backend and model
+    tau: list[dict[str, Any]] = field(default_factory=list)    # the scripted-draft sweep
     peer: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, str]] = field(default_factory=list)
 
@@ -59,18 +61,33 @@ def markdown(r: Results) -> str:
                          f"{k['gflops']:.1f}"] for k in r.kernels]), ""]
     if r.e2e or r.peer:
         rows = [[e["model"], e["backend"], e["prompt_tokens"], e["generated_tokens"], f"{e['prefill_tps']:.1f}",
-                 f"{e['decode_tps']:.1f}", f"{e['speculative_tps']:.1f}", f"{e['tau']:.2f}", f"{e['speedup']:.2f}x"]
-                for e in r.e2e]
+                 f"{e['decode_tps']:.1f}", f"{e['speculative_tps']:.1f}", f"{e['tau']:.2f}", f"{e['speedup']:.2f}x",
+                 f"{e['adaptive_tps']:.1f}", f"{e['adaptive_speedup']:.2f}x"] for e in r.e2e]
         rows += [[p["model"], p["engine"] + f" ({p['threads']} threads)", p["prompt_tokens"], p["generated_tokens"],
-                  f"{p['prefill_tps']:.1f}", f"{p['decode_tps']:.1f}", "", "", ""] for p in r.peer]
-        out += ["## End to end (greedy)", "", "decode = target-only; speculative output was checked equal to it. "
-                "A slow backend generates fewer tokens (what fits in about a minute).", "",
+                  f"{p['prefill_tps']:.1f}", f"{p['decode_tps']:.1f}", "", "", "", "", ""] for p in r.peer]
+        out += ["## End to end (greedy)", "", "decode = target-only; speculative = 15 proposals every round; "
+                "cost-aware = the length the engine chooses from its measured costs; speculative output was checked "
+                "equal to target-only output. A slow backend generates fewer tokens (what fits in about a minute).", "",
                 _table(["model", "engine", "prompt", "generated", "prefill tok/s", "decode tok/s", "speculative tok/s",
-                        "tau", "spec/decode"], rows), ""]
+                        "tau", "spec/decode", "cost-aware tok/s", "cost-aware/decode"], rows), ""]
         matches = [f"{p['model']}: llama.cpp's greedy tokens equal ours ({p['compared_with']}) for "
                    f"{p['matching_tokens']}/{p['generated_tokens']}"
                    for p in r.peer if "matching_tokens" in p]
         out += [f"- {m}" for m in matches] + ([""] if matches else [])
+    if r.costs:
+        out += ["## Round costs (measured at load)", "", _table(
+            ["model", "backend", "decode step ms", "draft block ms", "verify ms for k = 1..16 rows"],
+            [[c["model"], c["backend"], f"{c['decode_ms']:.2f}", f"{c['draft_ms']:.2f}",
+              " ".join(f"{v:.1f}" for v in c["verify_ms"])] for c in r.costs]), ""]
+    if r.tau:
+        out += ["## Speed-up vs tau (scripted draft)", "", "The draft network runs; its proposals are the target's "
+                "own greedy tokens, right for tau-1 positions per block. Speed-up over target-only decoding with 15 "
+                "proposals every round and with the cost-aware length; lengths: proposals verified per step "
+                "(0 = a decode step) -> steps.", "",
+                _table(["model", "backend", "tau", "tokens", "decode tok/s", "15 proposals", "cost-aware", "lengths"],
+                       [[t["model"], t["backend"], t["tau"], t["tokens"], f"{t['decode_tps']:.1f}",
+                         f"{t['fixed_speedup']:.2f}x", f"{t['adaptive_speedup']:.2f}x", t["lengths"]]
+                        for t in r.tau]), ""]
     if r.failures:
         out += ["## Failures", ""] + [f"- {f['where']}: {f['error']}" for f in r.failures] + [""]
     return "\n".join(out)
@@ -127,11 +144,19 @@ def write_plots(r: Results, folder: Path) -> list[Path]:
         ax.set_title("Kernels against the roofline (memory bound)")
         ax.legend()
         save(fig, "roofline.png")
-    if r.e2e:
-        fig, ax = plt.subplots(figsize=(5.5, 4))
+    if r.e2e or r.tau:
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
         for e in r.e2e:
-            ax.scatter(e["tau"], e["speedup"], label=f"{e['model']} / {e['backend']}")
+            ax.scatter(e["tau"], e["speedup"], label=f"{e['model']} / {e['backend']} (its draft)")
+        for model, backend in dict.fromkeys((t["model"], t["backend"]) for t in r.tau):
+            sweep = [t for t in r.tau if (t["model"], t["backend"]) == (model, backend)]
+            taus = [t["tau"] for t in sweep]
+            line, = ax.plot(taus, [t["adaptive_speedup"] for t in sweep], marker="o", ms=3,
+                            label=f"{model} / {backend}: cost-aware length")
+            ax.plot(taus, [t["fixed_speedup"] for t in sweep], ls="--", color=line.get_color(),
+                    label=f"{model} / {backend}: 15 proposals")
         ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(0.95, color="grey", lw=0.6, ls=":")
         ax.set_xlabel("tau (tokens per verify round)")
         ax.set_ylabel("speculative / target-only tokens/s")
         ax.set_title("Speculative speed-up vs tau")

@@ -1,15 +1,18 @@
 """dflash-bench: the cases count what they claim, and a quick run on the CPU backends writes
 the JSON, the markdown table and the plots with figures that hang together."""
+import argparse
 import json
 
 import numpy as np
 import pytest
 
+from dflash_ir.artifact import open_engine
 from dflash_ir.backends.base import get_backend
 from dflash_ir.benchmark import cli
 from dflash_ir.benchmark.kernels import Q8_BYTES, gemv_case, random_q8_0
 from dflash_ir.benchmark.models import synthetic_model
 from dflash_ir.benchmark.peer import PeerCrashed, peer_unavailable, run_llama_cpp
+from dflash_ir.benchmark.tau import ScriptedDraft, TooSlow, run_tau_sweep
 from dflash_ir.dtypes import DType
 from dflash_ir.quant import dequantize
 
@@ -71,12 +74,19 @@ def test_quick_run_writes_consistent_json_markdown_and_plots(tmp_path):
         assert k["fraction_bw"] == pytest.approx(k["gbs"] / bandwidth)
     runs = r["e2e"]
     assert [e["backend"] for e in runs] == backends
-    assert all(e["tau"] >= 1 and e["decode_tps"] > 0 and e["speculative_tps"] > 0 for e in runs)
+    assert all(e["tau"] >= 1 and e["decode_tps"] > 0 and e["speculative_tps"] > 0 and e["adaptive_tps"] > 0
+               for e in runs)
     assert all(e["tokens"] == runs[0]["tokens"] for e in runs)  # greedy: every backend, the same tokens
     md = (out / "results.md").read_text()
     assert "## Kernels" in md and "## End to end (greedy)" in md and "| synthetic-small | numpy |" in md
     for png in ("throughput.png", "roofline.png", "speedup_vs_tau.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tau_lists_take_values_and_ranges_within_the_block():
+    assert cli._taus("1,4-6,16") == (1, 4, 5, 6, 16)
+    with pytest.raises(argparse.ArgumentTypeError, match="must lie in 1..16"):
+        cli._taus("0-3")
 
 
 def test_unknown_backend_or_suite_is_a_clear_error(tmp_path):
@@ -101,3 +111,46 @@ def test_llama_cpp_greedy_tokens_equal_ours_on_the_synthetic_model(tmp_path):
         pytest.skip(str(e))
     assert theirs.tokens == ours.tokens
     assert theirs.prefill_tps > 0 and theirs.decode_tps > 0
+
+
+def test_tau_suite_measures_every_acceptance_length_with_both_lengths(tmp_path):
+    """The scripted draft's tau sweep: a point per tau with target-only, fixed-length and
+    cost-aware tokens/s, the round costs it used, a table and the plot."""
+    out = tmp_path / "out"
+    assert cli.main(["--quick", "-b", "opencl" if "opencl" in _cpu_backends() else "numpy", "--suites", "tau",
+                     "--models", "synthetic", "--taus", "1,16", "-o", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["failures"] == [] and [t["tau"] for t in r["tau"]] == [1, 16]
+    for t in r["tau"]:
+        assert t["decode_tps"] > 0 and t["fixed_speedup"] == pytest.approx(t["fixed_tps"] / t["decode_tps"])
+        assert t["adaptive_speedup"] == pytest.approx(t["adaptive_tps"] / t["decode_tps"])
+        assert sum(t["lengths"].values()) >= t["tokens"] // 16
+    (costs,) = r["costs"]
+    assert len(costs["verify_ms"]) == 16 and costs["decode_ms"] > 0 and costs["draft_ms"] > 0
+    md = (out / "results.md").read_text()
+    assert "## Speed-up vs tau (scripted draft)" in md and "## Round costs (measured at load)" in md
+    assert (out / "speedup_vs_tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_that_cannot_fit_its_time_box_is_refused(tmp_path):
+    with pytest.raises(TooSlow, match="too slow for a tau sweep in 0 s"):
+        run_tau_sweep("numpy", synthetic_model(small=True), tmp_path, seconds=1e-3)
+
+
+def test_scripted_draft_makes_every_round_accept_tau_minus_one(tiny_pair):
+    """Its proposals follow the target's greedy continuation for tau-1 positions per block
+    while the draft network itself runs every round."""
+    engine = open_engine(*tiny_pair("qwen35"), n_ctx=96)
+    prompt = [5, 77, 140, 9, 260, 31, 8]
+    want = engine.generate(prompt_ids=prompt, max_tokens=50, speculative=False, ignore_eos=True).tokens
+    network, ran = engine.draft, []
+    network.propose = lambda anchor, run=network.propose: ran.append(anchor) or run(anchor)
+    for tau in (1, 4, 16):
+        engine.draft = ScriptedDraft(network, prompt + want, tau - 1)
+        gen = engine.generate(prompt_ids=prompt, max_tokens=30, n_max=7, ignore_eos=True)
+        assert gen.tokens == want[:30]
+        assert [r["accepted"] for r in gen.rounds] == [min(tau - 1, 7)] * len(gen.rounds)
+        assert ran[-len(gen.rounds):] == [r["anchor"] for r in gen.rounds]
+    engine.draft = ScriptedDraft(network, prompt + want[:20], 3)
+    with pytest.raises(IndexError, match="the scripted continuation ends at position 27"):
+        engine.generate(prompt_ids=prompt, max_tokens=30, n_max=7, ignore_eos=True)

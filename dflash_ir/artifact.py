@@ -2,41 +2,37 @@
 
     OUT/
       manifest.yaml   format and tool version, backend, source GGUFs (path, size, sha256),
-                      model configs, programs (graph file + backend entry), every file's sha256
+                      model configs, programs (graph file + backend entry), every file's
+                      sha256, and last its own digest (the artifact's root digest)
       graphs/         the IR of every program (YAML), as the backend compiled it
       kernels/        backend files (sources, binaries), when the backend has any
 
-Weights stay in the GGUFs (memory-mapped at load); the manifest pins them by hash.
+Weights stay in the GGUFs (memory-mapped at load); the manifest pins them by hash. What a
+load checks before anything runs is dflash_ir/integrity.py's model; the limits checked
+before anything is allocated are models/checks.py's and dflash_ir/memory.py's.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
-from . import __version__
+from . import __version__, strict_yaml
 from .errors import ArtifactError
-from .serialize import YAML_DUMPER, YAML_LOADER, dump_yaml, load_yaml
+from .integrity import (MANIFEST, check_digest, check_source, manifest_bytes, sha256_file, source_entry,
+                        verified_files, with_digest)
+from .manifest_schema import check_manifest
+from .pair_checks import check_fits, check_text_processing, check_weights, resolve_lengths
+from .serialize import YAML_DUMPER, GraphFormatError, dump_yaml, load_yaml
 
 FORMAT = "dflash-ir.artifact"
-FORMAT_VERSION = 2  # 2: target programs output their greedy ids
+FORMAT_VERSION = 3  # 2: target programs output their greedy ids; 3: the manifest's digest line
+TARGET_PROGRAMS = ("prefill", "verify", "decode")
+DRAFT_PROGRAMS = ("inject", "block")
 DEFAULT_CTX = 4096
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _source_entry(path: Path) -> dict:
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(path)}
+DEFAULT_N_MAX = 15
 
 
 @dataclasses.dataclass
@@ -58,7 +54,8 @@ class ModelPair:
 
 
 def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
-              progress: Callable[[str], None] = lambda msg: None, opt_level: int = 2, dump_dir=None) -> ModelPair:
+              progress: Callable[[str], None] = lambda msg: None, opt_level: int = 2, dump_dir=None,
+              numerics: str = "exact") -> ModelPair:
     """Open and validate the files and build the graphs, optimised at `opt_level` (see
     dflash_ir.passes.pipeline; `dump_dir` gets the IR after each pass). Tap layers come from
     the draft, or from `taps` (HF 0-based layer ids) for a target alone."""
@@ -86,9 +83,10 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
         pair.graphs["draft.inject"] = db.inject()
         pair.graphs["draft.block"] = db.block()
     tb = Qwen35Builder(tgt, tcfg)
-    for kind in ("prefill", "verify", "decode"):
+    for kind in TARGET_PROGRAMS:
         pair.graphs[f"target.{kind}"] = tb.build(GraphSpec(kind, pair.taps, 1 if kind == "decode" else "T"))
-    pair.graphs = {name: run_pipeline(g, level=opt_level, dump_dir=dump_dir) for name, g in pair.graphs.items()}
+    pair.graphs = {name: run_pipeline(g, level=opt_level, dump_dir=dump_dir, numerics=numerics)
+                   for name, g in pair.graphs.items()}
     return pair
 
 
@@ -130,20 +128,25 @@ def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15
                        target_source=str(pair.files["target"].path))
 
 
-def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int = DEFAULT_CTX, n_max: int = 15,
+def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int = DEFAULT_CTX, n_max: int | None = None,
                  progress: Callable[[str], None] = lambda msg: None, opt_level: int | None = None,
+                 numerics: str = "exact",
                  dump_dir=None) -> Path:
     """Validate the pair, build its graphs, compile them with `backend` and write the artifact.
-    `opt_level` None takes the backend's default."""
+    `opt_level` None takes the backend's default; `n_ctx` 0 the target's trained context;
+    `n_max` None DEFAULT_N_MAX (block size - 1 when smaller), 0 drafts nothing by default. The tokenizer and chat template are built, and the
+    memory the context needs is checked, before anything is written."""
     from dflash_ir.backends.base import get_backend
 
     out = Path(out)
     be = get_backend(backend)
     opt_level = be.default_opt_level if opt_level is None else opt_level
-    pair = open_pair(target, draft, progress=progress, opt_level=opt_level, dump_dir=dump_dir)
-    if "draft" in pair.configs and not 1 <= n_max < pair.configs["draft"].block_size:
-        raise ValueError(f"n_max must be in 1..{pair.configs['draft'].block_size - 1} for block size "
-                         f"{pair.configs['draft'].block_size}, got {n_max}")
+    pair = open_pair(target, draft, progress=progress, opt_level=opt_level, dump_dir=dump_dir, numerics=numerics)
+    n_ctx, n_max = resolve_lengths(pair.configs, n_ctx, n_max, DEFAULT_N_MAX)
+    target_file = pair.files["target"]
+    check_text_processing(target_file.metadata, str(target_file.path))
+    check_fits(pair.graphs, pair.files, n_ctx=n_ctx, block_size=_block_size(pair.configs.get("draft")),
+               dequantised=be.name == "numpy", where=f"{target_file.path} with a context of {n_ctx}", progress=progress)
     out.mkdir(parents=True, exist_ok=True)
     (out / "graphs").mkdir(exist_ok=True)
     programs = {}
@@ -158,73 +161,105 @@ def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int 
         "format_version": FORMAT_VERSION,
         "dflash_ir_version": __version__,
         "backend": {"name": backend, "device": be.device_description()},
-        "sources": {role: _source_entry(Path(f.path)) for role, f in pair.files.items()},
+        "sources": {role: source_entry(Path(f.path)) for role, f in pair.files.items()},
         "config": {**{role: dataclasses.asdict(c) for role, c in pair.configs.items()},
-                   "n_ctx": n_ctx, "n_max": n_max, "taps": list(pair.taps), "opt_level": opt_level},
+                   "n_ctx": n_ctx, "n_max": n_max, "taps": list(pair.taps), "opt_level": opt_level,
+                   "numerics": numerics},
         "programs": programs,
     }
-    manifest["files"] = {str(p.relative_to(out)): _sha256(p) for p in sorted(out.rglob("*"))
-                         if p.is_file() and p.name != "manifest.yaml"}
-    (out / "manifest.yaml").write_text(yaml.dump(manifest, Dumper=YAML_DUMPER, sort_keys=False))
-    progress(f"wrote {out}")
+    manifest["files"] = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*"))
+                         if p.is_file() and p.name != MANIFEST}
+    text, digest = with_digest(yaml.dump(manifest, Dumper=YAML_DUMPER, sort_keys=False))
+    (out / MANIFEST).write_text(text)
+    progress(f"wrote {out} (digest {digest})")
     return out
 
 
-def read_manifest(path) -> dict:
+def read_manifest(path, *, digest: str | None = None) -> dict:
+    """The manifest of artifact `path` once its digest (and the pinned `digest`), its YAML,
+    its version and the fields the loader reads are checked."""
     path = Path(path)
-    mf = path / "manifest.yaml"
-    if not mf.is_file():
-        raise ArtifactError(f"{path}: no manifest.yaml: not a dflash-ir artifact (make one with dflash-compile)")
-    try:
-        manifest = yaml.load(mf.read_text(), Loader=YAML_LOADER)
-    except yaml.YAMLError as e:
-        raise ArtifactError(f"{mf}: not valid YAML ({e}): the artifact is damaged; recompile it") from None
+    data, where = manifest_bytes(path), str(path / MANIFEST)
+    try:  # strict YAML is safe on any bytes: the version is told before the digest is judged
+        manifest = strict_yaml.load(data.decode("utf-8"), where)
+    except (UnicodeDecodeError, strict_yaml.StrictYAMLError) as e:
+        raise ArtifactError(f"{where}: not a valid manifest ({e}): the artifact is damaged; recompile it") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{mf}: not a dflash-ir artifact manifest")
+        raise ArtifactError(f"{where}: not a dflash-ir artifact manifest")
     made_by = (manifest.get("format_version"), manifest.get("dflash_ir_version"))
     if made_by != (FORMAT_VERSION, __version__):
         raise ArtifactError(f"{path}: made by dflash-ir {made_by[1]} (artifact format {made_by[0]}); this is dflash-ir "
                             f"{__version__} (format {FORMAT_VERSION}): recompile with dflash-compile")
-    for rel, digest in manifest.get("files", {}).items():
-        f = path / rel
-        if not f.is_file():
-            raise ArtifactError(f"{path}: file {rel} listed in the manifest is missing; recompile the artifact")
-        if _sha256(f) != digest:
-            raise ArtifactError(f"{path}: file {rel} was modified after compilation (sha256 mismatch); recompile the artifact")
+    check_digest(path, data, digest)
+    check_manifest(manifest, where)
+    config = manifest["config"]
+    if "draft" in config and config["n_max"] >= config["draft"]["block_size"]:
+        raise ArtifactError(f"{where}: config.n_max = {config['n_max']} is not below the draft's block size "
+                            f"{config['draft']['block_size']}")
     return manifest
 
 
-def _check_source(role: str, entry: dict) -> Path:
-    p = Path(entry["path"])
-    if not p.is_file():
-        raise ArtifactError(f"the {role} GGUF {p} the artifact was compiled from is missing")
-    st = p.stat()
-    if st.st_size != entry["size"]:
-        raise ArtifactError(f"the {role} GGUF {p} changed since compilation (size {st.st_size} != {entry['size']}); recompile")
-    if st.st_mtime_ns != entry["mtime_ns"] and _sha256(p) != entry["sha256"]:
-        raise ArtifactError(f"the {role} GGUF {p} changed since compilation (sha256 mismatch); recompile")
-    return p
+def _block_size(draft) -> int:
+    """The draft's block size from its config or its manifest entry; 1 without a draft."""
+    if draft is None:
+        return 1
+    return draft["block_size"] if isinstance(draft, dict) else draft.block_size
 
 
-def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None, measure_costs: bool = True):
+def load_graphs(path: Path, manifest: dict) -> dict:
+    """Every program's graph, parsed from the bytes whose sha256 was checked and verified;
+    the programs must be exactly those of the manifest's config."""
+    from .verifier import VerifyError, verify
+
+    contents = verified_files(path, manifest["files"])
+    wanted = {f"target.{k}" for k in TARGET_PROGRAMS} | ({f"draft.{k}" for k in DRAFT_PROGRAMS}
+                                                        if "draft" in manifest["config"] else set())
+    if set(manifest["programs"]) != wanted:
+        raise ArtifactError(f"{path}: the manifest's programs are {sorted(manifest['programs'])}, "
+                            f"expected {sorted(wanted)}; recompile the artifact")
+    graphs = {}
+    for name, entry in manifest["programs"].items():
+        rel = entry["graph"]
+        if rel not in contents:
+            raise ArtifactError(f"{path}: the graph {rel} of program {name} is not among the manifest's files")
+        where = f"{path / rel}"
+        try:
+            graphs[name] = verify(load_yaml(contents[rel].decode("utf-8"), where))
+        except (UnicodeDecodeError, strict_yaml.StrictYAMLError, GraphFormatError, VerifyError) as e:
+            raise ArtifactError(f"{where}: not a valid graph: {e}") from None
+    return graphs
+
+
+def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None, measure_costs: bool = True,
+                  digest: str | None = None, sources: str = "fast"):
     """Verify an artifact and return a ready Engine; with a draft and `measure_costs`, the
-    engine knows its round costs on this device (runtime/costs.py: measured once, cached)."""
+    engine knows its round costs on this device (runtime/costs.py: measured once, cached).
+    `digest` pins the artifact's root digest; `sources` is how the source GGUFs are checked,
+    "fast" or "strict" (dflash_ir/integrity.py)."""
     from dflash_ir.backends.base import get_backend
     from dflash_ir.models.gguf_file import open_gguf
 
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, digest=digest)
+    graphs = load_graphs(path, manifest)
     be = get_backend(manifest["backend"]["name"])
     be.require()
-    files = {role: open_gguf(_check_source(role, entry)) for role, entry in manifest["sources"].items()}
+    files = {role: open_gguf(check_source(role, entry, sources)) for role, entry in manifest["sources"].items()}
 
     def weights(w):
         return files[w.source].raw(w.tensor)
 
-    programs = {name: be.load(load_yaml((path / entry["graph"]).read_text()), entry["backend"], path, weights)
-                for name, entry in manifest["programs"].items()}
     cfg = manifest["config"]
-    engine = make_engine(programs, n_ctx=int(cfg["n_ctx"]), n_max=n_max or int(cfg["n_max"]), draft_cfg=cfg.get("draft"),
+    if n_max is not None and "draft" in cfg and not 0 <= n_max < cfg["draft"]["block_size"]:
+        raise ValueError(f"n_max must be in 0..{cfg['draft']['block_size'] - 1} for the draft's block size "
+                         f"{cfg['draft']['block_size']} (0: no drafting), got {n_max}")
+    check_weights(graphs, files, str(path))
+    check_fits(graphs, files, n_ctx=cfg["n_ctx"], block_size=_block_size(cfg.get("draft")),
+               dequantised=be.name == "numpy", where=str(path))
+    programs = {name: be.load(graphs[name], entry["backend"], path, weights)
+                for name, entry in manifest["programs"].items()}
+    engine = make_engine(programs, n_ctx=cfg["n_ctx"], n_max=cfg["n_max"] if n_max is None else n_max,
+                         draft_cfg=cfg.get("draft"),
                          target_meta=files["target"].metadata if load_tokenizer else None,
                          target_source=str(files["target"].path),
                          info={"artifact": str(path), "backend": manifest["backend"], "sources": manifest["sources"]})

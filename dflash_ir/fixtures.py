@@ -2,13 +2,14 @@
 decompressing their xz-stored GGUFs once into a cache, verified against their sha256."""
 from __future__ import annotations
 
-import hashlib
 import json
 import lzma
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from .hashing import sha256_file
 
 _CHUNK = 1 << 20
 
@@ -30,16 +31,8 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "dflash-ir" / "oracle"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _matches(path: Path, entry: dict) -> bool:
-    return path.is_file() and path.stat().st_size == entry["size_bytes"] and _sha256(path) == entry["sha256"]
+    return path.is_file() and path.stat().st_size == entry["size_bytes"] and sha256_file(path) == entry["sha256"]
 
 
 def _decompress(source: Path, target: Path, entry: dict) -> None:

@@ -1,18 +1,26 @@
-"""YAML/JSON form of a graph: plain dicts, for artifacts and tools."""
+"""YAML/JSON form of a graph: plain dicts, for artifacts and tools.
+
+Graphs are read back with strict_yaml (bounded depth, no aliases or tags), and a dict that
+is not a graph is a GraphFormatError naming the source and the missing or malformed field.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 import yaml
 
+from . import strict_yaml
 from .ir import Graph, Node, State, Value, Weight, freeze_attr
 from .types import parse_type
 
 FORMAT = "dflash-ir.graph/1"
 
-# libyaml's loader/dumper when PyYAML was built with it: artifact graphs are large
-YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# libyaml's dumper when PyYAML was built with it: artifact graphs are large
 YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class GraphFormatError(ValueError):
+    """A serialised graph that is not one; names the source and the field."""
 
 
 def _value(v: Value) -> dict[str, str]:
@@ -39,9 +47,19 @@ def graph_to_dict(g: Graph) -> dict[str, Any]:
     }
 
 
-def graph_from_dict(d: dict[str, Any]) -> Graph:
-    if d.get("format") != FORMAT:
-        raise ValueError(f"not a serialised graph of format {FORMAT!r} (found {d.get('format')!r})")
+def graph_from_dict(d: dict[str, Any], source: str = "<graph>") -> Graph:
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        found = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise GraphFormatError(f"{source}: not a serialised graph of format {FORMAT!r} (found {found!r})")
+    try:
+        return _graph(d)
+    except KeyError as e:
+        raise GraphFormatError(f"{source}: a graph field is missing: {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise GraphFormatError(f"{source}: malformed graph ({type(e).__name__}: {e})") from None
+
+
+def _graph(d: dict[str, Any]) -> Graph:
     return Graph(
         name=d["name"],
         inputs=tuple(_unvalue(v) for v in d["inputs"]),
@@ -57,8 +75,8 @@ def dump_yaml(g: Graph) -> str:
     return yaml.dump(graph_to_dict(g), Dumper=YAML_DUMPER, sort_keys=False, width=120)
 
 
-def load_yaml(text: str) -> Graph:
-    return graph_from_dict(yaml.load(text, Loader=YAML_LOADER))
+def load_yaml(text: str, source: str = "<graph>") -> Graph:
+    return graph_from_dict(strict_yaml.load(text, source), source)
 
 
 def _plain(v: Any) -> Any:

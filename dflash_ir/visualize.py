@@ -89,7 +89,7 @@ def load_graph_file(path: Path) -> Graph:
     from .serialize import load_yaml
 
     text = Path(path).read_text()
-    return parse_graph(text) if text.lstrip().startswith("graph ") else load_yaml(text)
+    return parse_graph(text) if text.lstrip().startswith("graph ") else load_yaml(text, str(path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,6 @@ It remains the oracle in the tests.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import mmap
 import os
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dflash_ir import quant
+from dflash_ir.hashing import sha256_file
 from dflash_ir.dtypes import DType, from_ggml_type
 
 GGUF_MAGIC = b"GGUF"
@@ -55,7 +55,6 @@ _LEN_BYTES = 8  # every string starts with a u64 length
 # Smallest possible encodings, used to reject absurd counts before looping over them.
 _MIN_KV_BYTES = _LEN_BYTES + 4 + 1
 _MIN_TENSOR_INFO_BYTES = _LEN_BYTES + 4 + 4 + 8
-_HASH_CHUNK = 1 << 20
 _U64 = struct.Struct("<Q")
 
 _REQUIRED = object()
@@ -142,11 +141,7 @@ class GGUFFile:
     def sha256(self) -> str:
         """Hex sha256 of the whole file, read in chunks once and cached."""
         if self._sha256 is None:
-            digest = hashlib.sha256()
-            with open(self.path, "rb") as f:
-                while chunk := f.read(_HASH_CHUNK):
-                    digest.update(chunk)
-            self._sha256 = digest.hexdigest()
+            self._sha256 = sha256_file(self.path)
         return self._sha256
 
     def close(self) -> None:

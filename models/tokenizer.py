@@ -15,6 +15,11 @@ Hugging Face ``tokenizers`` library, and behaves like llama.cpp's
 * Decoding copies CONTROL/USER_DEFINED text as is, maps NORMAL/BYTE tokens back
   through the GPT-2 byte table, and drops UNUSED (``[PAD..]``) ids, as
   ``llama_token_to_piece`` does.
+
+``from_metadata`` checks every key it reads (types, token types, merges naming
+tokens of the vocabulary, special ids inside it) and raises TokenizerError naming
+the file and the key: dflash-compile builds the tokenizer, so a file that
+compiles loads.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """Tokenizer metadata that does not describe a usable tokenizer; names the file and key."""
 
 
 class TokenType(IntEnum):
@@ -144,14 +153,14 @@ class Tokenizer:
         source: str = "<tokenizer>",
     ):
         if pre not in PRE_TOKENIZER_REGEX:
-            raise ValueError(
+            raise TokenizerError(
                 f"{source}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
                 f"supported: {sorted(PRE_TOKENIZER_REGEX)}"
             )
         if normalize not in ("nfc", None):
             raise ValueError(f"{source}: normalize must be 'nfc' or None, not {normalize!r}")
         if len(token_type) != len(tokens):
-            raise ValueError(f"{source}: {len(tokens)} tokens but {len(token_type)} token types")
+            raise TokenizerError(f"{source}: {len(tokens)} tokens but {len(token_type)} token types")
         self.tokens = list(tokens)
         self.token_type = [TokenType(t) for t in token_type]
         self.merges = list(merges)
@@ -166,7 +175,10 @@ class Tokenizer:
             self._token_to_id.setdefault(t, i)
         named_eog = {self._token_to_id[t] for t in EOG_TOKEN_TEXTS if t in self._token_to_id}
         self.eos_ids = frozenset({i for i in (eos_id, *eot_ids) if i is not None} | named_eog)
-        self._backend = self._build_backend()
+        try:
+            self._backend = self._build_backend()
+        except Exception as e:  # the tokenizers library's own errors (merges it cannot use ...)
+            raise TokenizerError(f"{source}: the tokenizer cannot be built: {e}") from None
         self._lock = threading.Lock()
 
     def _build_backend(self) -> _HFTokenizer:
@@ -202,31 +214,32 @@ class Tokenizer:
     def from_metadata(
         cls, metadata: Mapping[str, Any], *, source: str = "<metadata>", normalize: str | None = "nfc"
     ) -> Tokenizer:
-        """Build from GGUF key/values (``tokenizer.ggml.*``)."""
-        model = metadata.get("tokenizer.ggml.model")
+        """Build from GGUF key/values (``tokenizer.ggml.*``), each checked (TokenizerError)."""
+        m = _MetadataCheck(metadata, source)
+        model = m.get("model", str)
         if model != "gpt2":
-            raise ValueError(
+            raise TokenizerError(
                 f"{source}: unsupported tokenizer.ggml.model {model!r} (only 'gpt2' byte-level BPE is supported)"
             )
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"):
-            if key not in metadata:
-                raise ValueError(f"{source}: missing {key}")
-        tokens = metadata["tokenizer.ggml.tokens"]
-        token_type = metadata.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-        get = metadata.get
+        tokens = m.strings("tokens")
+        if not tokens:
+            raise TokenizerError(f"{source}: tokenizer.ggml.tokens is empty")
+        token_type = m.token_types(len(tokens))
+        vocab = set(tokens)
+        merges = [m.merge(i, text, vocab) for i, text in enumerate(m.strings("merges"))]
+        ids = {key: m.token_id(key, len(tokens)) for key in _SPECIAL_ID_KEYS}
         return cls(
             tokens,
             token_type,
             merges,
-            pre=metadata["tokenizer.ggml.pre"],
+            pre=m.get("pre", str),
             normalize=normalize,
-            eos_id=get("tokenizer.ggml.eos_token_id"),
-            bos_id=get("tokenizer.ggml.bos_token_id"),
-            padding_id=get("tokenizer.ggml.padding_token_id"),
-            mask_id=get("tokenizer.ggml.mask_token_id"),
-            eot_ids=[get(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata],
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            eos_id=ids["eos_token_id"],
+            bos_id=ids["bos_token_id"],
+            padding_id=ids["padding_token_id"],
+            mask_id=ids["mask_token_id"],
+            eot_ids=[i for i in (ids["eot_token_id"], ids["eom_token_id"]) if i is not None],
+            add_bos=m.get("add_bos_token", bool, default=False),
             source=source,
         )
 
@@ -319,6 +332,67 @@ class Tokenizer:
             f"Tokenizer({self.source}, vocab_size={self.vocab_size}, merges={len(self.merges)}, "
             f"pre={self.pre!r}, normalize={self.normalize!r})"
         )
+
+
+_SPECIAL_ID_KEYS = ("eos_token_id", "bos_token_id", "padding_token_id", "mask_token_id", "eot_token_id",
+                    "eom_token_id")
+_ABSENT = object()
+
+
+class _MetadataCheck:
+    """Typed reads of ``tokenizer.ggml.<key>``; a wrong value is a TokenizerError naming it."""
+
+    def __init__(self, metadata: Mapping[str, Any], source: str):
+        self.metadata, self.source = metadata, source
+
+    def error(self, key: str, problem: str) -> TokenizerError:
+        return TokenizerError(f"{self.source}: tokenizer.ggml.{key} {problem}")
+
+    def get(self, key: str, kind: type, default: Any = _ABSENT) -> Any:
+        full = f"tokenizer.ggml.{key}"
+        if full not in self.metadata:
+            if default is _ABSENT:
+                raise TokenizerError(f"{self.source}: missing {full}")
+            return default
+        value = self.metadata[full]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.error(key, f"is a {type(value).__name__}, not a {kind.__name__}")
+        return value
+
+    def strings(self, key: str) -> list[str]:
+        values = self.get(key, list)
+        if not all(isinstance(v, str) for v in values):
+            raise self.error(key, "is not an array of strings")
+        return values
+
+    def token_types(self, n_tokens: int) -> list[int]:
+        types = self.get("token_type", list, default=None)
+        if types is None:
+            return [TokenType.NORMAL] * n_tokens
+        bad = next((i for i, t in enumerate(types) if not isinstance(t, int) or t not in _TYPE_VALUES), None)
+        if bad is not None:
+            raise self.error(f"token_type[{bad}]", f"= {types[bad]!r} is not a llama.cpp token type "
+                                           f"({', '.join(f'{t.value} {t.name}' for t in TokenType)})")
+        return types
+
+    def merge(self, index: int, text: str, vocab: set[str]) -> tuple[str, str]:
+        parts = tuple(text.split(" ", 1))
+        if len(parts) != 2:
+            raise self.error(f"merges[{index}]", f"= {text!r} is not two tokens separated by a space")
+        for token in (*parts, parts[0] + parts[1]):
+            if token not in vocab:
+                raise self.error(f"merges[{index}]", f"= {text!r} names {token!r}, which is not in "
+                                                     "tokenizer.ggml.tokens")
+        return parts
+
+    def token_id(self, key: str, n_tokens: int) -> int | None:
+        value = self.get(key, int, default=None)
+        if value is not None and not 0 <= value < n_tokens:
+            raise self.error(key, f"= {value} is outside the vocabulary (0..{n_tokens - 1})")
+        return value
+
+
+_TYPE_VALUES = frozenset(t.value for t in TokenType)
 
 
 class StreamDecoder:

@@ -1,6 +1,7 @@
 """Shared fixtures: the oracle fixture folder and cached, verified decompressions of its GGUFs."""
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,19 @@ def _cost_cache(tmp_path_factory):
     mp.setenv("DFLASH_IR_COST_CACHE", str(tmp_path_factory.mktemp("costs")))
     yield
     mp.undo()
+
+
+@pytest.fixture
+def deadline(request):
+    """Turn a hang into a failure: the test fails once it has run the module's DEADLINE_S
+    seconds (20 s unless the module sets it)."""
+    seconds = getattr(request.module, "DEADLINE_S", 20.0)
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)

@@ -2,12 +2,10 @@
 and of every fixture model builds with nvcc to PTX and to a cubin per CUBIN_ARCHS, and every
 device kernel a plan launches is an entry of the PTX and a function of each cubin."""
 import pytest
-import yaml
 
-from dflash_ir.artifact import compile_pair
+from dflash_ir.artifact import compile_pair, read_manifest
 from dflash_ir.backends.selftest import CASES, case_graph
 from dflash_ir.backends.toolchain import CUBIN_ARCHS, elf_functions, nvcc_ptx, ptx_entries, ptxas_cubin
-from dflash_ir.serialize import YAML_LOADER
 
 
 def test_every_case_kernel_builds_for_cuda(tvm, nvcc):
@@ -27,7 +25,7 @@ def test_every_case_kernel_builds_for_cuda(tvm, nvcc):
 
 
 def _assert_binaries_hold_launched_kernels(out):
-    manifest = yaml.load((out / "manifest.yaml").read_text(), Loader=YAML_LOADER)
+    manifest = read_manifest(out)
     assert manifest["backend"]["name"] == "tvm-cuda"
     for name, program in manifest["programs"].items():
         entry = program["backend"]

@@ -1,0 +1,65 @@
+"""Inputs that crashed the process: deeply nested YAML (libyaml's composer overflowed the C
+stack), and artifact files edited so that kernels or plans read past their buffers; each
+is now refused before anything runs."""
+import pytest
+
+from tamper import manifest_of, names, rewrite
+from dflash_ir.artifact import load_compiled
+from dflash_ir.errors import ArtifactError
+from dflash_ir.integrity import MANIFEST, sha256_file
+from dflash_ir.serialize import load_yaml
+from dflash_ir.strict_yaml import StrictYAMLError
+
+DEEP = "a: " + "[" * 200_000 + "]" * 200_000 + "\n"
+
+
+def test_a_deeply_nested_manifest_is_refused(copy, deadline):
+    body = (copy / MANIFEST).read_text()
+    (copy / MANIFEST).write_text(DEEP + body)
+    with pytest.raises(ArtifactError, match=names(copy / MANIFEST) + r": not a valid manifest .*line 1: nested deeper "
+                                            r"than 64 levels"):
+        load_compiled(copy)
+
+
+def test_a_deeply_nested_graph_is_refused_with_its_hash_updated(copy, deadline):
+    graph = copy / "graphs" / "target.decode.yaml"
+    graph.write_text(graph.read_text().replace("meta:", "deep: " + "[" * 100_000 + "]" * 100_000 + "\nmeta:", 1))
+    rewrite(copy, lambda m: None)
+    with pytest.raises(ArtifactError, match=names(graph) + r": not a valid graph: .*nested deeper than 64 levels"):
+        load_compiled(copy)
+
+
+def test_a_deeply_nested_graph_text_is_a_clear_error(deadline):
+    with pytest.raises(StrictYAMLError, match="g.yaml: line 1: nested deeper than 64 levels"):
+        load_yaml(DEEP, "g.yaml")
+
+
+def test_an_edited_plan_is_refused_by_the_manifest_digest(copy):
+    """A launch grid, buffer or program edited in the manifest (here: a program's graph
+    swapped for another's) no longer matches the manifest's digest line."""
+    text = (copy / MANIFEST).read_text()
+    (copy / MANIFEST).write_text(text.replace("graph: graphs/target.decode.yaml", "graph: graphs/target.prefill.yaml"))
+    with pytest.raises(ArtifactError, match=names(copy / MANIFEST) + " was modified after compilation "
+                                            r"\(its digest does not match\)"):
+        load_compiled(copy)
+
+
+def test_a_file_edited_with_its_hash_updated_is_refused_by_the_digest(copy):
+    graph = copy / "graphs" / "target.decode.yaml"
+    graph.write_text(graph.read_text() + "# edited\n")
+    old = manifest_of(copy)["files"]["graphs/target.decode.yaml"]
+    (copy / MANIFEST).write_text((copy / MANIFEST).read_text().replace(old, sha256_file(graph)))
+    with pytest.raises(ArtifactError, match="was modified after compilation \\(its digest does not match\\)"):
+        load_compiled(copy)
+
+
+def test_an_edit_with_every_hash_recomputed_is_refused_by_a_pinned_digest(copy, artifact):
+    """Hashes alone cannot stop someone who recomputes all of them; the root digest that
+    dflash-compile printed, pinned at load, does."""
+    pinned = manifest_of(artifact)["digest"]
+    load_compiled(copy, digest=pinned, load_tokenizer=False, measure_costs=False)
+    graph = copy / "graphs" / "target.decode.yaml"
+    graph.write_text(graph.read_text() + "# edited\n")
+    new = rewrite(copy, lambda m: None)
+    with pytest.raises(ArtifactError, match=f"the artifact's digest is {new}, not the pinned {pinned}"):
+        load_compiled(copy, digest=pinned)

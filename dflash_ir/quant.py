@@ -108,3 +108,24 @@ def pack_q8_0_split(storage: np.ndarray) -> np.ndarray:
     quants aligned and convert 16 scales at a time. Independent of how the blocks form rows."""
     blocks = np.ascontiguousarray(storage, dtype=np.uint8).reshape(-1, DType.Q8_0.block_bytes)
     return np.concatenate([blocks[:, 2:].reshape(-1), blocks[:, :2].reshape(-1)])
+
+
+COLS = 16  # weight rows interleaved by pack_q8_0_cols16: one 16-wide vector per input index
+COLS_BLOCK_BYTES = COLS * 2 + COLS * 32  # a group's block: 16 f16 scales, then 32 x 16 quants
+
+
+def pack_q8_0_cols16(storage: np.ndarray) -> np.ndarray:
+    """Q8_0 rows (storage [n, K/32*34]) in groups of 16 rows, block by block: for group g and
+    block b, at byte (g * nb + b) * 544, the 16 rows' f16 scales (32 bytes), then the quants
+    for input index k = 32 b + kk at 32 + 16 kk + row (so one 16-byte load holds one input
+    index for 16 outputs). Rows past n (to a multiple of 16) are zero: scales 0, quants 0.
+    CPU kernels keep 16 outputs in one vector and stream each group's bytes in order."""
+    rows = np.ascontiguousarray(storage, dtype=np.uint8)
+    rows = rows.reshape(-1, rows.shape[-1])
+    nb = rows.shape[1] // DType.Q8_0.block_bytes
+    padded = np.zeros((-(-len(rows) // COLS) * COLS, rows.shape[1]), np.uint8)
+    padded[:len(rows)] = rows
+    blocks = padded.reshape(-1, COLS, nb, DType.Q8_0.block_bytes)        # [g, row, b, 34]
+    scales = blocks[..., :2].transpose(0, 2, 1, 3).reshape(-1, nb, COLS * 2)  # [g, b, row * 2]
+    quants = blocks[..., 2:].transpose(0, 2, 3, 1).reshape(-1, nb, COLS * 32)  # [g, b, kk * 16 + row]
+    return np.concatenate([scales, quants], axis=2).reshape(-1)

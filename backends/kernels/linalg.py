@@ -19,7 +19,8 @@ from dflash_ir.types import Dim
 from ..kir import F32, I16, I32, I64, K, call, cast, const, dot4_i8, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
-from .access import Q8_BLOCK, q8_0_split_at, q8_row_bytes, weight_at
+from .access import Q8_BLOCK, q8_row_bytes, weight_at
+from dflash_ir.quant import COLS_BLOCK_BYTES
 from .shapes import FLAT, cdiv, flat_launch, prod
 
 GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_q8_0); more take the tiled GEMM
@@ -51,19 +52,25 @@ def dequantize(ctx: NodeCtx) -> None:
 
 @lowers("embedding")
 def embedding(ctx: NodeCtx) -> None:
-    """On the CPU profile a Q8_0 table is read in the split layout, the one the (tied)
-    output head's matmul reads it in, so the table is on the device once."""
+    """On the CPU profile a Q8_0 table is read in the 16-row interleaved layout, the one the
+    (tied) output head's matmul reads it in, so the table is on the device once."""
     table, ids = ctx.ins
     k = table.type.shape[1]
     ctx.check("index", ids, size=dim(table.type.shape[0]))
-    split = ctx.profile == "cpu" and table.type.dtype is DType.Q8_0
-    packed, blocks = _split_q8_0(ctx, [table]) if split else (table, 0)
+    tiled = ctx.profile == "cpu" and table.type.dtype is DType.Q8_0
+    packed = ctx.packed([table], "q8_0_cols16") if tiled else table
 
     def compute(kb, i, xs, out):
         row, col = xs[1][i / dim(k)], i % dim(k)
-        out[i] = (q8_0_split_at(xs[0], row, col, k, blocks) if split
-                  else weight_at(table.type.dtype, xs[0], row, col, k))
+        out[i] = _cols16_at(xs[0], row, col, k) if tiled else weight_at(table.type.dtype, xs[0], row, col, k)
     flat_launch(ctx, compute, inputs=[packed, ids])
+
+
+def _cols16_at(buf: Buffer, row: K, col: K, k: int) -> K:
+    """f32 value of element (row, col) of a Q8_0 weight in quant.pack_q8_0_cols16's layout."""
+    block = (cast(I64, row / COLS) * (k // 32) + col / 32) * COLS_BLOCK_BYTES
+    lane = row % COLS
+    return cast(F32, buf.load(block + 2 * COLS + (col % 32) * COLS + lane, "i8")) * buf.load(block / 2 + lane, "f16")
 
 
 def _split_q8_0(ctx: NodeCtx, weights: list) -> tuple:
@@ -234,9 +241,9 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
     M, N = prod(x_value.type.shape[:-1]), const(n)
     x_q8 = x_value.type.dtype is DType.Q8_0
     rowwise = ctx.profile == "cpu"
-    blocks = 0
-    if rowwise and dtype is DType.Q8_0:
-        w_value, blocks = _split_q8_0(ctx, weights)
+    tiled = rowwise and dtype is DType.Q8_0
+    if tiled:
+        w_value = ctx.packed(weights, "q8_0_cols16")
     else:
         w_value = weights[0] if len(weights) == 1 else ctx.packed(weights, "as_stored")
     fixed = M.arg if M.op == "const" else None
@@ -249,13 +256,20 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
         bufs = [kb.bind(name, o, writes=True) for name, o in zip(names, outs)]
         return kb, x, w, _store(bufs, widths, r)
 
+    if tiled:
+        for rows, groups, lo, hi in TILES[x_q8]:
+            if fixed is None or lo <= fixed <= hi:
+                kb, x, w, store = kernel("matmul_tiles", (TILE_ITEMS,))
+                _tiled_q8_0(kb, M, n, k, rows, groups, store, w, x, x_q8)
+                kb.launch([cdiv(const(-(-n // COLS)), groups * TILE_ITEMS), cdiv(M, rows)],
+                          when=None if fixed else (M >= lo) & (M <= hi))
+        return
     if rowwise:
         for rows, when in ((1, M.eq(1)), (ROWWISE_ROWS, M > 1)):  # one row keeps its sums in registers
             if fixed is None or (fixed == 1) == (rows == 1):
-                streams = rowwise_streams(ctx, dtype, rows, n)
                 kb, x, w, store = kernel("matmul_rows", (ROWWISE_COLS,))
-                _rowwise(kb, dtype, M, n, k, rows, store, w, x, blocks=blocks, streams=streams, x_q8=x_q8)
-                kb.launch(rowwise_groups(M, n, rows, streams), when=None if fixed else when)
+                _rowwise(kb, dtype, M, n, k, rows, store, w, x)
+                kb.launch(rowwise_groups(M, n, rows, 1), when=None if fixed else when)
         return
     if fixed is None or fixed <= GEMV_ROWS:
         g = Gemv(dtype, k)
@@ -269,6 +283,64 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
         kb, x, w, store = kernel("matmul_gemm", (THREADS, THREADS))
         _gemm(kb, dtype, M, n, k, store, x, w, x_q8)
         kb.launch([cdiv(N, TILE), cdiv(M, TILE)], when=None if fixed else M > GEMV_ROWS)
+
+
+COLS = 16         # outputs per vector in the CPU tiles (quant.pack_q8_0_cols16's groups)
+TILE_ITEMS = 16   # work-items per work-group of the CPU tiles
+# CPU register tiles: (rows, column groups, fewest rows, most rows) per x type (f32, Q8_0):
+# rows x groups vectors of sums (x groups more per block for Q8_0 x) stay in registers;
+# the longest tile serves every count past 16 rows (a prefill) in steps of its rows
+TILES = {False: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 4, 3, 4), (8, 2, 5, 8), (16, 1, 9, 1 << 30)),
+         True: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 2, 3, 4), (8, 1, 5, 1 << 30))}
+
+
+def _tiled_q8_0(kb: KernelSpec, M: K, n: int, k: int, R: int, G: int, store: Store, w: Buffer, x: Buffer,
+                x_q8: bool) -> None:
+    """CPU schedule of x @ wᵀ for a Q8_0 weight packed 16 rows at a time (pack_q8_0_cols16):
+    a work-item owns R rows of x and G groups of 16 outputs, and keeps its R x G sums as
+    16-wide vectors in named registers (the tile is unrolled here: arrays indexed in loops
+    stay in memory on PoCL, at a third of the speed). Per input index it converts each
+    group's 16 quants once, scaled by their blocks' scales, and adds them times x, broadcast,
+    to every row's sums: R x G FMAs per G loads. Rows past M repeat row M-1 and are not stored.
+
+    Every output's sum is the same sequence of FMAs whatever R and G are, so a row's result
+    does not depend on how many rows share the call (batch invariance). With x in Q8_0 the
+    products of a block are summed exactly (integer-valued floats below 2^24), then scaled by
+    both blocks' scales."""
+    nb, groups = k // 32, -(-n // COLS)
+    V = F32.vec(COLS)
+    r0 = kb.let("r0", kb.gid(1) * R)
+    g0 = kb.let("g0", (kb.gid(0) * TILE_ITEMS + kb.lid(0)) * G)
+    kb.return_if(g0 >= groups)
+    rows = [kb.let(f"xr{r}", cast(I64, minimum(r0 + r, M - 1))) for r in range(R)]
+    base = [kb.let(f"wg{j}", cast(I64, minimum(g0 + j, groups - 1)) * (nb * COLS_BLOCK_BYTES)) for j in range(G)]
+    acc = {(r, j): kb.let(f"acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(G)}
+    with kb.loop("b", 0, nb) as b:
+        at = [kb.let(f"at{j}", base[j] + b * COLS_BLOCK_BYTES) for j in range(G)]
+        scale = [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j in range(G)]
+        if x_q8:
+            dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(V, 0.0)) for key in acc}
+            xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
+        with kb.loop("kk", 0, 32) as kk:
+            quant = [cast(V, w.load(at[j] + 2 * COLS + kk * COLS, "i8", COLS)) for j in range(G)]
+            wv = [kb.let(f"w{j}", quant[j] if x_q8 else quant[j] * scale[j]) for j in range(G)]
+            for r in range(R):
+                xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + kk, "i8")) if x_q8 else x[rows[r] * k + b * 32 + kk])
+                for j in range(G):
+                    target = dot[r, j] if x_q8 else acc[r, j]
+                    kb.set(target, call("fma", wv[j], xv, target))
+        if x_q8:
+            for r in range(R):
+                dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
+                for j in range(G):
+                    kb.set(acc[r, j], call("fma", dot[r, j], scale[j] * dx, acc[r, j]))
+    lanes = kb.array("lanes", F32, COLS)
+    for r in range(R):
+        for j in range(G):
+            with kb.if_(r0 + r < M):
+                kb.set(lanes.vec(0, COLS), acc[r, j])
+                with kb.loop("e", 0, COLS, cond=lambda e: (g0 + j) * COLS + e < n) as e:
+                    store(r0 + r, (g0 + j) * COLS + e, lanes[e])
 
 
 @lowers("matmul_group")

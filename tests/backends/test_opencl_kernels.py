@@ -24,11 +24,14 @@ def test_profile_follows_the_device_unless_forced(opencl, monkeypatch):
     assert opencl.profile() == "gpu"
 
 
-def test_cpu_profile_schedules_matmul_rowwise(monkeypatch, tmp_path):
+def test_cpu_profile_schedules_q8_0_matmuls_as_register_tiles(monkeypatch, tmp_path):
     from dflash_ir.backends.lowering import lower
 
     graph = CASES["matmul_q8_0_16_rows"].build().b.build()
-    assert {k.op for k in lower(graph, "cpu").kernels.values()} == {"matmul_rows"}
+    plan = lower(graph, "cpu")
+    assert {k.op for k in plan.kernels.values()} == {"matmul_tiles"}
+    assert [p for p in plan.packs.values()] == [(("w",), "q8_0_cols16")]
+    assert {k.op for k in lower(CASES["matmul_f16_5_rows"].build().b.build(), "cpu").kernels.values()} == {"matmul_rows"}
     assert {k.op for k in lower(graph, "gpu").kernels.values()} == {"matmul_gemv", "matmul_gemm"}
     with pytest.raises(ValueError, match="unknown device profile 'tpu'"):
         lower(graph, "tpu")
@@ -42,29 +45,33 @@ def test_every_op_has_a_case():
     assert set(all_ops()) - covered == set()
 
 
-def test_half16_conversion_is_exact_for_every_bit_pattern(opencl):
-    """The split Q8_0 matmul converts 16 scales at once with the dialect's own helper, not
-    vload_half: every f16 (zeros, subnormals, infinities, NaN payloads) must come out as
-    numpy converts it, bit for bit."""
+def test_half16_conversion_is_exact_for_every_bit_pattern(run_opencl):
+    """16-wide f16 loads (the CPU Q8_0 products read 16 scales at once) go through the OpenCL
+    printer's own conversion, not vload_half: every f16 (zeros, subnormals, infinities, NaN
+    payloads) must come out as numpy converts it, bit for bit. Scalarized (one vload_half per
+    lane, as CUDA and HIP read it) every value is the same too, NaNs staying NaN (PoCL's
+    vload_half quiets a signalling NaN's payload)."""
     import numpy as np
-    import pyopencl as cl
 
-    from dflash_ir.backends.cstyle import DIALECTS
-    from dflash_ir.backends.opencl import _context
+    from dflash_ir.backends.kir import KernelBuilder
+    from dflash_ir.backends.kir.lower import scalarize
 
-    ctx, queue, _ = _context()
-    source = DIALECTS["opencl"].module_header() + (
-        "__kernel void convert(__global const ushort* h, __global float* out) {\n"
-        "  int i = get_global_id(0) * 16;\n  vstore16(half16_portable(vload16(0, h + i)), 0, out + i);\n}\n")
-    kernel = cl.Program(ctx, source).build().convert
+    kb = KernelBuilder("widen16", local=(64,))
+    h, out = kb.buffer("h", "u16"), kb.buffer("out", "f32", writes=True)
+    i = kb.let("i", (kb.gid(0) * 64 + kb.lid(0)) * 16)
+    out.store(i, h.load(i, "f16", 16))
+    kernel = kb.build()
     bits = np.arange(1 << 16, dtype=np.uint16)
-    out = np.empty(bits.size, np.float32)
-    mf = cl.mem_flags
-    h = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=bits)
-    o = cl.Buffer(ctx, mf.WRITE_ONLY, out.nbytes)
-    kernel(queue, (bits.size // 16,), None, h, o)
-    cl.enqueue_copy(queue, out, o)
-    np.testing.assert_array_equal(out.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
+    want = bits.view(np.float16).astype(np.float32)
+
+    def run(k):
+        return run_opencl(k, (bits.size // 16 // 64,), {"h": bits, "out": np.zeros(bits.size, np.float32)})["out"]
+
+    np.testing.assert_array_equal(run(kernel).view(np.uint32), want.view(np.uint32))
+    lanes = run(scalarize(kernel))
+    nan = np.isnan(want)
+    assert nan.sum() == 2 * 1023 and np.isnan(lanes[nan]).all()
+    np.testing.assert_array_equal(lanes[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
 def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path):
@@ -85,13 +92,13 @@ def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path):
     b.output("logits", b.matmul(h, b.dequantize(table)))
     graph = run_pipeline(b.build())
     plan = lower(graph, "cpu")
-    assert plan.packs == {"table@q8_0_split": (("table",), "q8_0_split")}
+    assert plan.packs == {"table@q8_0_cols16": (("table",), "q8_0_cols16")}
     bound = {v for s in plan.steps for launch in s.launches for v in launch.buffers}
-    assert "table" not in bound and "table@q8_0_split" in bound
+    assert "table" not in bound and "table@q8_0_cols16" in bound
     weights = {"table": quantize(np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32), DType.Q8_0)}
     program = opencl.load(graph, opencl.compile(graph, tmp_path), tmp_path, lambda w: weights[w.tensor])
     ids = np.array([3, 39, 0], np.int32)
     got = program.run({"ids": ids}).outputs["logits"]
     want = Interpreter(graph, lambda w: weights[w.tensor]).run({"ids": ids}).outputs["logits"]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    assert list(program._resident) == ["table@q8_0_split"]
+    assert list(program._resident) == ["table@q8_0_cols16"]

@@ -43,7 +43,8 @@ def lift(x: Operand, like: DT | None = None) -> K:
     `like` is a float constant)."""
     if isinstance(x, K):
         return x
-    if like is not None and not (isinstance(x, float) and like.base != F32):
+    if like is not None and not (isinstance(x, float) and like.base != F32) and \
+            not (like.base == BOOL and not isinstance(x, bool)):  # (i < 3) * 5 is an int, as in C
         return const(x, like.base)
     return const(x)
 
@@ -85,6 +86,8 @@ def binary(op: str, a: Operand, b: Operand) -> K:
     b = lift(b, a.dtype)
     lanes = _lanes(a, b)
     if op in ("shl", "shr"):
+        if not (a.dtype.is_int and b.dtype.is_int):
+            raise TypeError(f"{op} needs integers, got {a.dtype} and {b.dtype}")
         return K(op, a.dtype, (a, b))
     if op in ("land", "lor"):
         return K(op, BOOL.vec(lanes), (cast(BOOL, a), cast(BOOL, b)))

@@ -16,9 +16,16 @@ from dflash_ir.rewrite import P, Rule, V, match
 
 from .ir import BOOL, K, transform
 
+
+def _trunc_div(a: int, b: int) -> int:
+    """C's integer division (toward zero), exact for any size (a float quotient is not)."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
 _INT_OPS = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-    "div": lambda a, b: int(a / b) if b else None, "mod": lambda a, b: a - b * int(a / b) if b else None,
+    "div": lambda a, b: _trunc_div(a, b) if b else None, "mod": lambda a, b: a - b * _trunc_div(a, b) if b else None,
     "shl": lambda a, b: a << b, "shr": lambda a, b: a >> b, "and": lambda a, b: a & b,
     "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b, "min": min, "max": max,
 }
@@ -59,7 +66,8 @@ def _fold(m, emit=None) -> K | None:
     a, b = (s.arg for s in node.src)
     op, kind = node.op, node.src[0].dtype.scalar
     with np.errstate(all="ignore"):
-        if op in _CMP:
+        if op in _CMP:  # f32 operands compare as the f32 literals they print as
+            a, b = (np.float32(a), np.float32(b)) if kind == "f32" else (a, b)
             return K("const", BOOL, (), bool(_CMP[op](a, b)))
         if kind == "f32" and op in _F32_OPS:
             return _const(float(_F32_OPS[op](np.float32(a), np.float32(b))), node)

@@ -5,7 +5,8 @@ import pytest
 
 from dflash_ir.artifact import open_pair
 from dflash_ir.backends.base import get_backend
-from dflash_ir.backends.cstyle import DIALECTS
+from dflash_ir.backends.kir.build import FUNCTIONS
+from dflash_ir.backends.kir.c import PRINTERS
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.selftest import CASES, case_graph
 from dflash_ir.backends.toolchain import (
@@ -22,15 +23,20 @@ from dflash_ir.backends.toolchain import (
 
 @pytest.fixture(scope="module")
 def every_kernel():
-    """The kernels of all selftest cases: every op and variant the renderer produces."""
+    """The kernels of all selftest cases: every op and variant the lowering produces for GPUs."""
     kernels = {}
     for c in CASES.values():
         kernels.update(lower(case_graph(c.build())).kernels)
     return kernels
 
 
+def _source(dialect: str, kernels) -> str:
+    """The module a backend builds: every device function, then the kernels."""
+    return PRINTERS[dialect].render(kernels.values(), tuple(FUNCTIONS.values()))
+
+
 def test_every_kernel_compiles_for_cuda(nvcc, every_kernel):
-    ptx = nvcc_ptx(DIALECTS["cuda"].render(every_kernel.values()))
+    ptx = nvcc_ptx(_source("cuda", every_kernel))
     assert ptx_entries(ptx.decode()) == set(every_kernel)
     for arch in CUBIN_ARCHS:
         assert elf_functions(ptxas_cubin(ptx, arch)) == set(every_kernel), arch
@@ -38,7 +44,7 @@ def test_every_kernel_compiles_for_cuda(nvcc, every_kernel):
 
 def test_every_kernel_compiles_for_rocm(hip, every_kernel):
     assert hip_archs() == GFX_ARCHS, "the Debian ROCm 5.2 device libraries cover gfx90a and gfx1030"
-    source = DIALECTS["hip"].render(every_kernel.values())
+    source = _source("hip", every_kernel)
     for arch in hip_archs():
         assert elf_functions(hip_build(source, arch)) == set(every_kernel), arch
 

@@ -1,43 +1,45 @@
-"""The GLSL renderer's own math (backends/glsl.py GLSL_HELPERS: sinf, cosf, log1pf, roundf, the
-f16 conversions, packed 8/16-bit stores) run on a Vulkan device (lavapipe here) against
-float64 numpy references, edge cases included; under FULL and BASELINE. Skipped without a
-Vulkan device or without glslangValidator."""
+"""The GLSL printer's own math (backends/kir/glsl.py GLSL_HELPERS: sinf, cosf, log1pf, roundf,
+the f16 conversions, packed 8/16-bit stores and sign-extending byte loads) run on a Vulkan
+device (lavapipe here) against float64 numpy references, edge cases included; under FULL and
+BASELINE. Skipped without a Vulkan device or without glslangValidator."""
 import numpy as np
 import pytest
 
-from dflash_ir.backends.cstyle import Buffer, Kernel
-from dflash_ir.backends.glsl import BASELINE, FULL, compile_spirv, glsl_tools_missing, render_glsl
+from dflash_ir.backends.kir import I32, U32, KernelBuilder, call, cast, var
+from dflash_ir.backends.kir.glsl import BASELINE, FULL
 
 N = 4096
 OUTPUTS = ("sin", "cos", "log1p", "round", "round_half")
-BODY = ("  int i = GID(0) * 64 + LID(0);\n  if (i >= n_N) return;\n  float v = x[i];\n"
-        "  sin_out[i] = sinf(v);\n  cos_out[i] = cosf(v);\n  log1p_out[i] = log1pf(v);\n"
-        "  round_out[i] = roundf(v);\n  round_half_out[i] = ROUND_HALF(v);\n"
-        "  STORE_HALF(half_bits, i, v);\n  ST_U8(low_bytes, i, I32(U32(i) * 37u));\n")
-READ_BACK = ("  int i = GID(0) * 64 + LID(0);\n  if (i >= n_N) return;\n"
-             "  widened[i] = HALF_AT(half_bits, i);\n  bytes[i] = LD_I8(low_bytes, i);\n")
 
 
-def _probe(name: str, body: str, buffers) -> Kernel:
-    return Kernel.make(name, [Buffer(*b) for b in buffers], ("n_N",), (64, 1, 1), body)
+def _probe():
+    """Each math helper on x, x to f16 bits, and bytes i * 37 stored one byte per invocation
+    (neighbours share a 32-bit word in BASELINE)."""
+    kb = KernelBuilder("probe", local=(64,))
+    x = kb.buffer("x", "f32")
+    outs = {o: kb.buffer(f"{o}_out", "f32", writes=True) for o in OUTPUTS}
+    half_bits, low_bytes = kb.buffer("half_bits", "u16", writes=True), kb.buffer("low_bytes", "u8", writes=True)
+    i = kb.let("i", kb.gid(0) * 64 + kb.lid(0))
+    kb.return_if(i >= var("n_N"))
+    v = kb.let("v", x[i])
+    for name, fn in (("sin", "sin"), ("cos", "cos"), ("log1p", "log1p"), ("round", "round"),
+                     ("round_half", "round_f16")):
+        outs[name][i] = call(fn, v)
+    half_bits.store(i, v, "f16")
+    low_bytes[i] = cast(I32, cast(U32, i) * 37)
+    return kb.build(["n_N"])
 
 
-PROBE = _probe("probe", BODY, [("x", "float")] + [(f"{o}_out", "float", True) for o in OUTPUTS]
-               + [("half_bits", "u16", True), ("low_bytes", "u8", True)])
-READ = _probe("read_back", READ_BACK, [("half_bits", "u16"), ("low_bytes", "u8"), ("widened", "float", True),
-                                       ("bytes", "int", True)])
-
-
-@pytest.fixture(scope="module")
-def device(vulkan):
-    if glsl_tools_missing():
-        pytest.skip(glsl_tools_missing())
-    from dflash_ir.backends.vulkan_device import choose_device, open_device, physical_devices, supported_features
-
-    physical = choose_device(physical_devices())
-    if not set(FULL.required_device_features()) <= supported_features(physical):
-        pytest.skip(f"{physical.describe()} lacks a feature of the FULL variant")
-    return open_device(physical, frozenset(FULL.required_device_features()))
+def _read_back():
+    """The f16 bits widened back to f32, and the bytes read as signed int8."""
+    kb = KernelBuilder("read_back", local=(64,))
+    half_bits, low_bytes = kb.buffer("half_bits", "u16"), kb.buffer("low_bytes", "u8")
+    widened, signed = kb.buffer("widened", "f32", writes=True), kb.buffer("bytes", "i32", writes=True)
+    i = kb.let("i", kb.gid(0) * 64 + kb.lid(0))
+    kb.return_if(i >= var("n_N"))
+    widened[i] = half_bits.load(i, "f16")
+    signed[i] = low_bytes.load(i, "i8")
+    return kb.build(["n_N"])
 
 
 def _inputs() -> np.ndarray:
@@ -51,28 +53,21 @@ def _inputs() -> np.ndarray:
     return values[:N].astype(np.float32)
 
 
-def _run(device, features, x: np.ndarray) -> dict[str, np.ndarray]:
-    spirv = {k.name: compile_spirv(render_glsl(k, features), name=k.name) for k in (PROBE, READ)}
-    device.add_kernels(spirv)
-    shapes = {"x": (np.float32, N), **{f"{o}_out": (np.float32, N) for o in OUTPUTS},
-              "half_bits": (np.uint16, N), "low_bytes": (np.uint8, N), "widened": (np.float32, N),
-              "bytes": (np.int32, N)}
-    bufs = {name: device.alloc(-(-np.dtype(t).itemsize * n // 4) * 4) for name, (t, n) in shapes.items()}
-    device.upload(bufs["x"], x)
-    for k in (PROBE, READ):
-        device.launch(k.name, (N // 64, 1, 1), k.local, [bufs[b.name] for b in k.buffers] + [N])
-    device.synchronize()
-    out = {}
-    for name, (t, n) in shapes.items():
-        out[name] = np.empty(n, t)
-        device.download(bufs[name], out[name])
-    return out
+def _run(run_vulkan, features, x: np.ndarray) -> dict[str, np.ndarray]:
+    groups, ints = (N // 64,), {"n_N": N}
+    arrays = {"x": x, **{f"{o}_out": np.zeros(N, np.float32) for o in OUTPUTS},
+              "half_bits": np.zeros(N, np.uint16), "low_bytes": np.zeros(N, np.uint8)}
+    out = run_vulkan(_probe(), features, groups, arrays, ints)
+    back = run_vulkan(_read_back(), features, groups, {"half_bits": out["half_bits"], "low_bytes": out["low_bytes"],
+                                                       "widened": np.zeros(N, np.float32),
+                                                       "bytes": np.zeros(N, np.int32)}, ints)
+    return {**out, **back}
 
 
 @pytest.mark.parametrize("variant", ["full", "baseline"])
-def test_helpers_match_float64_references(device, variant):
+def test_helpers_match_float64_references(run_vulkan, variant):
     x = _inputs()
-    got = _run(device, {"full": FULL, "baseline": BASELINE}[variant], x)
+    got = _run(run_vulkan, {"full": FULL, "baseline": BASELINE}[variant], x)
     wide = x.astype(np.float64)
     trig = np.abs(wide) < 12867  # where the three-part reduction is exact
     np.testing.assert_allclose(got["sin_out"][trig], np.sin(wide[trig]), rtol=0, atol=2.5e-7)

@@ -1,12 +1,14 @@
-"""Device-free: one kernel description rendered in three dialects, the launch plan, size
+"""Device-free: one kernel tree printed in three dialects, the launch plan, size
 expressions, views and in-place updates, and the messages of backends that cannot run."""
 import json
+import re
 
 import numpy as np
 import pytest
 
 from dflash_ir.backends.base import BackendUnavailable, get_backend
-from dflash_ir.backends.cstyle import DIALECTS
+from dflash_ir.backends.kir.c import PRINTERS
+from dflash_ir.backends.kir.ir import walk
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.plan import Plan, compile_expr
 from dflash_ir.backends.selftest import CASES, case_graph
@@ -19,24 +21,55 @@ def _plan(name: str) -> Plan:
     return lower(case_graph(CASES[name].build()))
 
 
-def test_one_description_three_dialects():
-    kernel = next(iter(_plan("matmul_q8_0_act_quant_3_rows").kernels.values()))
-    sources = {name: d.render([kernel]) for name, d in DIALECTS.items()}
-    assert "__kernel __attribute__((reqd_work_group_size(" in sources["opencl"]
-    assert 'extern "C" __global__ void __launch_bounds__(256)' in sources["cuda"]
-    assert "#define DOT4_I8(a, b, acc) __dp4a((a), (b), (acc))" in sources["cuda"]
-    assert "__builtin_amdgcn_sdot4" in sources["hip"] and "hip/hip_runtime.h" in sources["hip"]
-    bodies = {s[s.index(kernel.name):] for s in sources.values()}
-    assert len({b[b.index("{"):] for b in bodies}) == 1, "kernel bodies must be identical across dialects"
+def _names(kernel) -> set[str]:
+    """The identifiers a kernel's tree introduces or reads: parameters, variables, arrays."""
+    names = {p.name for p in kernel.params}
+    for n in walk(kernel.body):
+        if n.op in ("var", "decl", "for", "index"):
+            names.add(n.arg)
+        elif n.op == "array":
+            names.add(n.arg[0])
+    return names
+
+
+def _skeleton(source: str, kernel) -> list[tuple[str, ...]]:
+    """Per line of the kernel's body: the tree's identifiers it names (how many times each)
+    and its braces; what a dialect spells its own way (types, ids, intrinsics, the order of
+    a helper's arguments) is left out."""
+    body = source[source.index(kernel.name):]
+    names = _names(kernel)
+    return [tuple(sorted(t for t in re.findall(r"(?<![.\w])[A-Za-z_]\w*|[{}]", line) if t in names or t in "{}"))
+            for line in body.splitlines()]
+
+
+def test_one_tree_three_dialects():
+    """The GPU GEMV of a Q8_0 weight times Q8_0 activations (an int8 dot product per word):
+    the same statements over the same names in every dialect, each with its own spelling
+    of the kernel head, the ids and the dot product."""
+    plan = _plan("matmul_q8_0_q8_x_3_rows")
+    kernel = next(k for k in plan.kernels.values() if k.op == "matmul_gemv")
+    sources = {name: p.render([kernel]) for name, p in PRINTERS.items()}
+    assert "__kernel __attribute__((reqd_work_group_size(1, 256, 1))) void " + kernel.name in sources["opencl"]
+    for dialect in ("cuda", "hip"):
+        assert f'extern "C" __global__ void __launch_bounds__(256) {kernel.name}(' in sources[dialect]
+    body = {name: s[s.index(kernel.name):] for name, s in sources.items()}
+    assert "__dp4a(" in body["cuda"] and "dot4_i8" not in body["cuda"]
+    assert "sdot4_i8(" in body["hip"] and "__builtin_amdgcn_sdot4" in sources["hip"]
+    assert "hip/hip_runtime.h" in sources["hip"] and "cuda_fp16.h" in sources["cuda"]
+    assert "dot4_i8(" in body["opencl"] and "static inline int dot4_i8(" in sources["opencl"]
+    assert "get_group_id" in body["opencl"] and "blockIdx" in body["cuda"] and "blockIdx" in body["hip"]
+    skeletons = {name: _skeleton(s, kernel) for name, s in sources.items()}
+    assert len(skeletons["opencl"]) > 20 and sum(map(len, skeletons["opencl"])) > 100
+    assert skeletons["opencl"] == skeletons["cuda"] == skeletons["hip"], "kernel statements differ across dialects"
 
 
 def test_symbolic_sizes_become_int_params_and_launch_expressions():
     plan = _plan("matmul_f32_5_rows")
     launches = [l for s in plan.steps for l in s.launches]
-    assert [l.when for l in launches] == ["(n_T) <= 16", "(n_T) > 16"]
     assert all(l.ints == ("n_T",) for l in launches)
+    for t, chosen in ((1, 0), (16, 0), (17, 1), (40, 1)):  # the GEMV up to 16 rows, then the tiled GEMM
+        assert [bool(compile_expr(l.when)({"n_T": t})) for l in launches] == [i == chosen for i in range(2)], t
     env = {"n_T": 40}
-    assert [bool(compile_expr(l.when)(env)) for l in launches] == [False, True]
     assert tuple(compile_expr(g)(env) for g in launches[1].groups) == (3, 2, 1)
 
 

@@ -287,6 +287,7 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
 
 COLS = 16         # outputs per vector in the CPU tiles (quant.pack_q8_0_cols16's groups)
 TILE_ITEMS = 16   # work-items per work-group of the CPU tiles
+UNROLL = 4        # the CPU tiles' inner loop unrolled this many times by the device compiler
 # CPU register tiles: (rows, column groups, fewest rows, most rows) per x type (f32, Q8_0):
 # rows x groups vectors of sums (x groups more per block for Q8_0 x) stay in registers;
 # the longest tile serves every count past 16 rows (a prefill) in steps of its rows
@@ -321,7 +322,7 @@ def _tiled_q8_0(kb: KernelSpec, M: K, n: int, k: int, R: int, G: int, store: Sto
         if x_q8:
             dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(V, 0.0)) for key in acc}
             xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
-        with kb.loop("kk", 0, 32) as kk:
+        with kb.loop("kk", 0, 32, unroll=UNROLL) as kk:  # not unrolled, PoCL ran this loop 4x slower
             quant = [cast(V, w.load(at[j] + 2 * COLS + kk * COLS, "i8", COLS)) for j in range(G)]
             wv = [kb.let(f"w{j}", quant[j] if x_q8 else quant[j] * scale[j]) for j in range(G)]
             for r in range(R):

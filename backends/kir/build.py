@@ -259,9 +259,11 @@ class KernelBuilder:
 
     @contextlib.contextmanager
     def loop(self, name: str, start: Operand, stop: Operand | None = None, step: Operand = 1, *,
-             cond: K | Callable[[K], K] | None = None, next: K | Callable[[K], K] | None = None):
+             cond: K | Callable[[K], K] | None = None, next: K | Callable[[K], K] | None = None,
+             unroll: int = 0):
         """for (int name = start; name < stop && cond; name = next or name + step); cond and
-        next are expressions, or functions of the loop variable."""
+        next are expressions, or functions of the loop variable; `unroll` asks the device
+        compiler to unroll it that many times (PoCL does not unroll on its own)."""
         i = var(name)
         cond, next = (f(i) if callable(f) else f for f in (cond, next))
         tests = ([] if stop is None else [i < stop]) + ([] if cond is None else [cond])
@@ -270,7 +272,8 @@ class KernelBuilder:
         test = tests[0] if len(tests) == 1 else tests[0] & tests[1]
         with self._nested():
             yield i
-        self.emit(K("for", VOID, (lift(start, I32), test, i + step if next is None else next, self._body), name))
+        loop = K("for", VOID, (lift(start, I32), test, i + step if next is None else next, self._body), name)
+        self.emit(K("unroll", VOID, (loop,), unroll) if unroll else loop)
 
     @contextlib.contextmanager
     def if_(self, cond: K):

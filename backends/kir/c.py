@@ -37,6 +37,9 @@ class CPrinter(Printer):
         kernel = expand_wg_reduce(kernel)
         return kernel if self.vectors else scalarize(kernel)
 
+    def unroll_hint(self, factor: int) -> str:
+        return f"#pragma unroll {factor}"
+
     def module_header(self, functions: tuple[Function, ...] = ()) -> str:
         """Prelude and device functions: every module (or per-kernel file set) starts with it."""
         parts = [self.includes, self.runtime.strip()] + [self.function_source(f, self.function_qualifier)

@@ -27,6 +27,8 @@ nothing else. The ops, with `src` and `arg`:
     store       (index, value)        (buffer, view)
     for         (start, cond, next, body)   name of the int loop variable; next its value
                                       for the next iteration (i + 1, s >> 1 ...)
+    unroll      (for,)                factor: a hint that the loop be unrolled that many times (a
+                                      pragma in C dialects; targets without one ignore it)
     if          (cond, then, else)    else is an empty block when absent
     block       statements
     return barrier ()

@@ -74,6 +74,8 @@ class _Scalarizer:
             start, cond, nxt, body = s.src
             return K("for", VOID, (self.scalar(start), self.scalar(cond), self.scalar(nxt), self.statement(body)),
                      s.arg)
+        if op == "unroll":
+            return K("unroll", VOID, (self.statement(s.src[0]),), s.arg)
         if op == "if":
             cond, then, other = s.src
             return K("if", VOID, (self.scalar(cond), self.statement(then), self.statement(other)))

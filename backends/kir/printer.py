@@ -72,6 +72,10 @@ class Printer:
     def barrier(self) -> str:
         raise NotImplementedError
 
+    def unroll_hint(self, factor: int) -> str:
+        """The line before a loop asking to unroll it (none where the language has no such hint)."""
+        return ""
+
     def array_decl(self, name: str, t: DT, length: int, scope: str, init) -> str:
         raise NotImplementedError
 
@@ -168,6 +172,8 @@ class Printer:
             i = self.ident(n.arg)
             head = f"for (int {i} = {self.expr(start)}; {self.expr(cond)}; {self.step(n.arg, nxt)})"
             return [f"{pad}{head} {{", *self.statements(body, depth + 1), f"{pad}}}"]
+        if op == "unroll":
+            return [line for line in (self.unroll_hint(n.arg),) if line] + self.statements(n.src[0], depth)
         if op == "if":
             cond, then, other = n.src
             if then.src == (K("return"),) and not other.src:

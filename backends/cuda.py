@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
+from dflash_ir.integrity import artifact_file
+
 from .base import BackendUnavailable, register_backend
 from .compiled import CompiledBackend
 from .cupy_device import CupyDevice
@@ -70,4 +72,4 @@ class CUDABackend(CompiledBackend):
         cc = cupy.cuda.Device().compute_capability  # "90", "86", "100"
         usable = [a for a in entry["cubin"] if a[3:-1] == cc[:-1] and a[-1] <= cc[-1]]
         chosen = entry["cubin"][max(usable)] if usable else entry["ptx"]
-        return CupyDevice(artifact_dir / chosen)
+        return CupyDevice(artifact_file(artifact_dir, chosen))

@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
+from dflash_ir.integrity import artifact_file
+
 from .base import BackendUnavailable, register_backend
 from .compiled import CompiledBackend
 from .cuda import _cupy_reason
@@ -58,7 +60,7 @@ class ROCmBackend(CompiledBackend):
         if arch not in entry["hsaco"]:
             raise BackendUnavailable(f"this GPU is {arch}; the artifact has code objects for {', '.join(entry['hsaco'])} "
                                      f"only: recompile with a toolchain that supports {arch}")
-        return CupyDevice(artifact_dir / entry["hsaco"][arch])
+        return CupyDevice(artifact_file(artifact_dir, entry["hsaco"][arch]))
 
 
 def _gfx_arch() -> str:

@@ -21,8 +21,8 @@ import yaml
 
 from . import __version__, strict_yaml
 from .errors import ArtifactError
-from .integrity import (MANIFEST, check_digest, check_source, manifest_bytes, sha256_file, source_entry,
-                        verified_files, with_digest)
+from .integrity import (MANIFEST, check_digest, check_entry_paths, check_source, manifest_bytes, sha256_file,
+                        source_entry, verified_files, with_digest)
 from .manifest_schema import check_manifest
 from .pair_checks import check_fits, check_text_processing, check_weights, resolve_lengths
 from .serialize import YAML_DUMPER, GraphFormatError, dump_yaml, load_yaml
@@ -117,10 +117,13 @@ def make_engine(programs: dict, *, n_ctx: int, n_max: int, draft_cfg: dict | Non
 
 def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15, load_tokenizer: bool = False,
                 taps: tuple[int, ...] = (), opt_level: int = 0):
-    """An Engine on the reference interpreter straight from GGUF files, without an artifact."""
+    """An Engine on the reference interpreter straight from GGUF files, without an artifact
+    (the memory the context needs is checked as for compiling)."""
     from dflash_ir.interpreter import Interpreter
 
     pair = open_pair(target, draft, taps=taps, opt_level=opt_level)
+    check_fits(pair.graphs, pair.files, n_ctx=n_ctx, block_size=_block_size(pair.configs.get("draft")),
+               dequantised=True, where=f"{pair.files['target'].path} with a context of {n_ctx}")
     programs = {name: Interpreter(g, pair.weights) for name, g in pair.graphs.items()}
     draft_cfg = dataclasses.asdict(pair.configs["draft"]) if "draft" in pair.configs else None
     meta = pair.files["target"].metadata if load_tokenizer else None
@@ -219,6 +222,7 @@ def load_graphs(path: Path, manifest: dict) -> dict:
                             f"expected {sorted(wanted)}; recompile the artifact")
     graphs = {}
     for name, entry in manifest["programs"].items():
+        check_entry_paths(entry["backend"], str(path / MANIFEST), f"programs.{name}.backend")
         rel = entry["graph"]
         if rel not in contents:
             raise ArtifactError(f"{path}: the graph {rel} of program {name} is not among the manifest's files")

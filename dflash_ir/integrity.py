@@ -28,7 +28,7 @@ import hashlib
 import os
 import re
 import stat
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from .errors import ArtifactError
@@ -118,6 +118,19 @@ def verified_files(folder: Path, files: Mapping[str, str]) -> dict[str, bytes]:
                                 "recompile the artifact")
         contents[rel] = data
     return contents
+
+
+def check_entry_paths(entry: Any, where: str, field: str = "backend") -> None:
+    """Refuse a backend entry holding a string that, read as a path, leaves the artifact
+    folder (absolute, or with a '..' part): whatever backend joins it to the folder later."""
+    if isinstance(entry, dict):
+        for key, value in entry.items():
+            check_entry_paths(value, where, f"{field}.{key}")
+    elif isinstance(entry, list):
+        for i, value in enumerate(entry):
+            check_entry_paths(value, where, f"{field}[{i}]")
+    elif isinstance(entry, str) and (entry.startswith("/") or ".." in PurePosixPath(entry).parts):
+        raise ArtifactError(f"{where}: {field} = {entry!r} is a path leaving the artifact folder")
 
 
 def artifact_file(folder: Path, rel: str) -> Path:

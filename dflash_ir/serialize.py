@@ -27,8 +27,28 @@ def _value(v: Value) -> dict[str, str]:
     return {"name": v.name, "type": str(v.type)}
 
 
-def _unvalue(d: dict) -> Value:
-    return Value(d["name"], parse_type(d["type"]))
+def _unvalue(d: dict, field: str) -> Value:
+    if not isinstance(d, dict):
+        raise ValueError(f"{field} must be a mapping with name and type, got {d!r}")
+    return Value(_text(d["name"], f"{field}.name"), parse_type(_text(d["type"], f"{field}.type")))
+
+
+def _text(v: Any, field: str) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{field} must be a string, got {v!r}")
+    return v
+
+
+def _items(v: Any, field: str) -> list:
+    if not isinstance(v, list):
+        raise ValueError(f"{field} must be a list, got {type(v).__name__}")
+    return v
+
+
+def _mapping(v: Any, field: str) -> dict:
+    if not isinstance(v, dict):
+        raise ValueError(f"{field} must be a mapping, got {type(v).__name__}")
+    return v
 
 
 def graph_to_dict(g: Graph) -> dict[str, Any]:
@@ -60,14 +80,25 @@ def graph_from_dict(d: dict[str, Any], source: str = "<graph>") -> Graph:
 
 
 def _graph(d: dict[str, Any]) -> Graph:
+    """The graph of a dict, every field checked for its type (a GraphFormatError names it)."""
+    weights = [_mapping(w, f"weights[{i}]") for i, w in enumerate(_items(d["weights"], "weights"))]
+    states = [_mapping(s, f"states[{i}]") for i, s in enumerate(_items(d["states"], "states"))]
+    nodes = [_mapping(n, f"nodes[{i}]") for i, n in enumerate(_items(d["nodes"], "nodes"))]
+    outputs = [_mapping(o, f"outputs[{i}]") for i, o in enumerate(_items(d["outputs"], "outputs"))]
     return Graph(
-        name=d["name"],
-        inputs=tuple(_unvalue(v) for v in d["inputs"]),
-        weights=tuple(Weight(_unvalue(w), w["tensor"], w["source"]) for w in d["weights"]),
-        states=tuple(State(_unvalue(s), s.get("update")) for s in d["states"]),
-        nodes=tuple(Node.make(n["op"], n["inputs"], [_unvalue(v) for v in n["outputs"]], n["attrs"]) for n in d["nodes"]),
-        outputs=tuple((o["name"], o["value"]) for o in d["outputs"]),
-        meta=tuple(sorted((k, freeze_attr(v)) for k, v in (d.get("meta") or {}).items())),
+        name=_text(d["name"], "name"),
+        inputs=tuple(_unvalue(v, f"inputs[{i}]") for i, v in enumerate(_items(d["inputs"], "inputs"))),
+        weights=tuple(Weight(_unvalue(w, f"weights[{i}]"), _text(w["tensor"], f"weights[{i}].tensor"),
+                             _text(w["source"], f"weights[{i}].source")) for i, w in enumerate(weights)),
+        states=tuple(State(_unvalue(s, f"states[{i}]"), None if s.get("update") is None else
+                           _text(s["update"], f"states[{i}].update")) for i, s in enumerate(states)),
+        nodes=tuple(Node.make(_text(n["op"], f"nodes[{i}].op"),
+                              [_text(x, f"nodes[{i}].inputs") for x in _items(n["inputs"], f"nodes[{i}].inputs")],
+                              [_unvalue(v, f"nodes[{i}].outputs") for v in _items(n["outputs"], f"nodes[{i}].outputs")],
+                              _mapping(n["attrs"] or {}, f"nodes[{i}].attrs")) for i, n in enumerate(nodes)),
+        outputs=tuple((_text(o["name"], f"outputs[{i}].name"), _text(o["value"], f"outputs[{i}].value"))
+                      for i, o in enumerate(outputs)),
+        meta=tuple(sorted((k, freeze_attr(v)) for k, v in _mapping(d.get("meta") or {}, "meta").items())),
     )
 
 

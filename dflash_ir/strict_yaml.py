@@ -46,31 +46,54 @@ class _Builder:
         self.stack: list[list] = []   # [container, pending mapping key]
         self.constructor = SafeConstructor()
         self.resolver = Resolver()
+        self.plain: dict[str, Any] = {}   # plain scalar text -> its value (names and numbers repeat)
+        self.handlers = {yaml.ScalarEvent: self.on_scalar, yaml.MappingStartEvent: self.on_start,
+                         yaml.SequenceStartEvent: self.on_start, yaml.MappingEndEvent: self.on_end,
+                         yaml.SequenceEndEvent: self.on_end, yaml.DocumentStartEvent: self.on_document,
+                         yaml.AliasEvent: self.on_alias}
 
     def error(self, event, problem: str) -> StrictYAMLError:
         return StrictYAMLError(f"{self.source}: line {event.start_mark.line + 1}: {problem}")
 
     def add(self, event) -> None:
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            raise self.error(event, "anchors and aliases are not accepted")
-        if isinstance(event, yaml.DocumentStartEvent):
-            self.documents += 1
-            if self.documents > 1:
-                raise self.error(event, "more than one YAML document")
-        elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-            if not event.implicit:
-                raise self.error(event, f"explicit tag {event.tag!r} is not accepted")
-            if len(self.stack) >= MAX_DEPTH:
-                raise self.error(event, f"nested deeper than {MAX_DEPTH} levels")
-            container: Any = [] if isinstance(event, yaml.SequenceStartEvent) else {}
-            self.attach(event, container)
-            self.stack.append([container, _NO_KEY])
-        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-            self.stack.pop()
-        elif isinstance(event, yaml.ScalarEvent):
-            self.attach(event, self.scalar(event))
+        if getattr(event, "anchor", None):
+            self.on_alias(event)
+        handler = self.handlers.get(type(event))
+        if handler is not None:
+            handler(event)
 
-    def scalar(self, event) -> Any:
+    def on_alias(self, event) -> None:
+        raise self.error(event, "anchors and aliases are not accepted")
+
+    def on_document(self, event) -> None:
+        self.documents += 1
+        if self.documents > 1:
+            raise self.error(event, "more than one YAML document")
+
+    def on_start(self, event) -> None:
+        if not event.implicit:
+            raise self.error(event, f"explicit tag {event.tag!r} is not accepted")
+        if len(self.stack) >= MAX_DEPTH:
+            raise self.error(event, f"nested deeper than {MAX_DEPTH} levels")
+        container: Any = [] if type(event) is yaml.SequenceStartEvent else {}
+        self.attach(event, container)
+        self.stack.append([container, _NO_KEY])
+
+    def on_end(self, event) -> None:
+        self.stack.pop()
+
+    def on_scalar(self, event) -> None:
+        if event.tag is None and event.style:   # quoted or block scalars are strings
+            value = event.value
+        elif event.tag is None and event.value in self.plain:
+            value = self.plain[event.value]
+        else:
+            value = self.construct(event)
+            if event.tag is None:
+                self.plain[event.value] = value
+        self.attach(event, value)
+
+    def construct(self, event) -> Any:
         tag = event.tag
         if tag is None or tag == "!":
             tag = self.resolver.resolve(ScalarNode, event.value, event.implicit)
@@ -85,7 +108,7 @@ class _Builder:
             return
         top = self.stack[-1]
         container = top[0]
-        if isinstance(container, list):
+        if type(container) is list:
             container.append(value)
         elif top[1] is _NO_KEY:
             if isinstance(value, (dict, list)):

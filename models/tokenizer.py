@@ -163,6 +163,11 @@ class Tokenizer:
             raise TokenizerError(f"{source}: {len(tokens)} tokens but {len(token_type)} token types")
         self.tokens = list(tokens)
         self.token_type = [TokenType(t) for t in token_type]
+        bad = next((i for i, (t, ty) in enumerate(zip(self.tokens, self.token_type))
+                    if ty in (TokenType.NORMAL, TokenType.BYTE) and not UNICODE_TO_BYTE.keys() >= set(t)), None)
+        if bad is not None:
+            raise TokenizerError(f"{source}: token {bad} {self.tokens[bad]!r} is {self.token_type[bad].name} but not "
+                                 "byte-level text (each character one of the 256 GPT-2 byte characters)")
         self.merges = list(merges)
         self.pre = pre
         self.pre_regex = PRE_TOKENIZER_REGEX[pre]

@@ -6,7 +6,7 @@ import os
 import pytest
 from tamper import names, rewrite, set_key, target_file
 
-from dflash_ir.artifact import compile_pair, load_compiled
+from dflash_ir.artifact import compile_pair, load_compiled, open_engine
 from dflash_ir.cli import compile as compile_cli
 from dflash_ir.errors import ArtifactError
 from dflash_ir.integrity import MANIFEST
@@ -83,6 +83,11 @@ def test_a_huge_context_from_the_manifest_is_refused_before_allocating(copy, dea
                                                              r"a context of 1000000000 tokens.*more than the .* GiB of "
                                                              r"memory this machine has; compile with a smaller context"):
         load_compiled(copy)
+
+
+def test_a_huge_context_for_the_interpreter_engine_is_refused_before_allocating(pair, deadline):
+    with pytest.raises(MemoryLimitError, match=names(pair[0]) + " with a context of 2000000000: needs at least"):
+        open_engine(*pair, n_ctx=2 * 10**9)
 
 
 def test_a_huge_context_asked_at_compile_time_is_refused_with_the_need(tmp_path, pair, capsys, deadline):

@@ -11,8 +11,12 @@ from tamper import manifest_of, names, rewrite, set_key, target_file
 
 from dflash_ir.artifact import compile_pair, load_compiled
 from dflash_ir.errors import ArtifactError
+from dflash_ir.models.generator import tiny_vocab
 from dflash_ir.models.chat_template import ChatTemplateError
 from dflash_ir.models.tokenizer import TokenizerError
+
+
+TINY_TOKENS = tiny_vocab(320)["tokenizer.ggml.tokens"]
 
 
 @pytest.mark.parametrize("key, value, problem", [
@@ -25,6 +29,8 @@ from dflash_ir.models.tokenizer import TokenizerError
     ("tokenizer.ggml.token_type", [9] * 320, r"tokenizer.ggml.token_type\[0\] = 9 is not a llama.cpp token type"),
     ("tokenizer.ggml.pre", "llama-bpe", "unsupported pre-tokenizer 'llama-bpe'"),
     ("tokenizer.ggml.add_bos_token", 1, "tokenizer.ggml.add_bos_token is a int, not a bool"),
+    # found by the fuzz campaign (tests/fuzz/regressions/tokenizer/found-a462fa1a...): decoding raised KeyError
+    ("tokenizer.ggml.tokens", ["\ufffd", *TINY_TOKENS[1:]], r"token 0 '\ufffd' is NORMAL but not byte-level text"),
 ])
 def test_tokenizer_metadata_the_loader_would_reject_fails_compilation(tmp_path, key, value, problem):
     path = target_file(tmp_path / "t.gguf", set_key(key, value))
@@ -88,6 +94,14 @@ def test_a_graph_path_leaving_the_artifact_is_refused_before_reading(copy, escap
         load_compiled(copy)
 
 
+@pytest.mark.parametrize("field, value", [("library", "../../lib/evil.so"), ("sources", "/etc")])
+def test_a_backend_path_leaving_the_artifact_is_refused_before_any_backend_reads(copy, field, value):
+    rewrite(copy, _put({"plan": {"kernels": {}}, field: value}, "programs", "target.decode", "backend"))
+    with pytest.raises(ArtifactError, match=f"programs.target.decode.backend.{field} = '{value}' is a path leaving "
+                                            "the artifact folder"):
+        load_compiled(copy)
+
+
 def test_a_symlink_out_of_the_artifact_is_refused_before_reading(copy, tmp_path):
     outside = tmp_path / "outside.yaml"
     os.mkfifo(outside)            # reading it would block: the path is refused first
@@ -107,10 +121,14 @@ def test_a_program_missing_or_added_is_named(copy):
 
 
 @pytest.mark.parametrize("text, problem", [
-    ("format: dflash-ir.graph/1\nname: x\n", r"a graph field is missing: 'inputs'"),
+    ("format: dflash-ir.graph/1\nname: x\n", r"a graph field is missing: 'weights'"),
     ("- 1\n- 2\n", r"not a serialised graph of format 'dflash-ir.graph/1' \(found 'list'\)"),
     ("format: dflash-ir.graph/1\nname: x\ninputs: 5\nweights: []\nstates: []\nnodes: []\noutputs: []\n",
-     r"malformed graph \(TypeError: "),
+     r"malformed graph \(ValueError: inputs must be a list, got int\)"),
+    # found by the fuzz campaign (tests/fuzz/regressions/artifact/found-80bbf5e1...): the verifier hashed a dict
+    ("format: dflash-ir.graph/1\nname: x\ninputs: []\nweights: []\nstates: []\noutputs: []\nnodes:\n"
+     "- {op: add, inputs: [{a: 1}], outputs: [], attrs: {}}\n",
+     r"malformed graph \(ValueError: nodes\[0\].inputs must be a string, got \{'a': 1\}\)"),
     ("a: [1, 2\n", r"not valid YAML"),
 ])
 def test_a_graph_file_that_is_not_a_graph_is_named(copy, text, problem):

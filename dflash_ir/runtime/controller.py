@@ -38,29 +38,30 @@ class LengthController:
         self.trials = np.zeros(costs.max_proposals)
         self.hits = np.zeros(costs.max_proposals)
         self.credit = 0.0  # seconds of probing earned by decode steps
+        # seconds of a round verifying k proposals, k = 0 (a decode step) .. B-1
+        self.seconds = np.array([costs.decode, *(costs.draft + v for v in costs.verify[1:])])
+        self._best_case: dict[int, int] = {}
 
     def acceptance(self) -> np.ndarray:
         """p_i for i = 1..B-1 (index i-1)."""
-        p = np.empty(len(self.trials))
-        prior = PRIOR_ACCEPT
-        for i, (hits, trials) in enumerate(zip(self.hits, self.trials)):
-            prior = p[i] = (hits + PRIOR_ROUNDS * prior) / (trials + PRIOR_ROUNDS)
-        return p
+        p, prior = [], PRIOR_ACCEPT
+        for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
+            prior = (hits + PRIOR_ROUNDS * prior) / (trials + PRIOR_ROUNDS)
+            p.append(prior)
+        return np.array(p)
 
-    def round_seconds(self, k: int) -> float:
-        return self.costs.decode if k == 0 else self.costs.draft + self.costs.verify_rows(k + 1)
-
-    def rate(self, k: int, acceptance: np.ndarray) -> float:
-        """Expected committed tokens per second of a round verifying k proposals."""
-        tokens = 1.0 + float(np.cumprod(acceptance[:k]).sum())
-        return tokens / self.round_seconds(k)
+    def rates(self, acceptance: np.ndarray) -> np.ndarray:
+        """Expected committed tokens per second of a round verifying k = 0..B-1 proposals."""
+        return (1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(acceptance))))) / self.seconds
 
     def best(self, n_max: int, acceptance: np.ndarray) -> int:
-        return int(np.argmax([self.rate(k, acceptance) for k in range(n_max + 1)]))
+        return int(np.argmax(self.rates(acceptance)[:n_max + 1]))
 
     def best_case(self, n_max: int) -> int:
         """The best length if every proposal were accepted (0: speculation never pays here)."""
-        return self.best(n_max, np.ones(self.costs.max_proposals))
+        if n_max not in self._best_case:
+            self._best_case[n_max] = self.best(n_max, np.ones(self.costs.max_proposals))
+        return self._best_case[n_max]
 
     def can_pay(self, n_max: int) -> bool:
         return self.best_case(n_max) > 0
@@ -71,8 +72,8 @@ class LengthController:
         if k:
             return k
         probe = self.best_case(n_max)
-        if probe and self.credit >= self.round_seconds(probe):
-            self.credit -= self.round_seconds(probe)
+        if probe and self.credit >= self.seconds[probe]:
+            self.credit -= self.seconds[probe]
             return probe
         self.credit += EXPLORE * self.costs.decode
         return 0

@@ -50,7 +50,7 @@ def test_choice_follows_the_documented_rate():
     c = LengthController(_costs(lambda r: 0.5 + 0.5 * r, decode=2, draft=1))
     c.observe(2, 1)
     assert c.acceptance()[:4] == pytest.approx([5 / 6, 5 / 9, 5 / 9, 5 / 9])
-    assert [round(c.rate(k, c.acceptance()) * MS, 3) for k in range(5)] == [0.5, 0.733, 0.765, 0.73, 0.674]
+    assert [round(r * MS, 3) for r in c.rates(c.acceptance())[:5]] == [0.5, 0.733, 0.765, 0.73, 0.674]
     assert c.choose(15) == 2
     assert LengthController(_costs(lambda r: 0.5 + 0.5 * r, decode=1, draft=1)).choose(15) == 0
 
@@ -85,7 +85,7 @@ def test_probes_spend_at_most_the_exploration_share_of_decoding():
     probes = [k for k in choices if k]
     # n probes of 6 ms each need n * 6 <= 0.03 * (3000 - n) ms earned by decode steps: n = 14
     assert set(probes) == {15} and len(probes) == 14
-    assert len(probes) * c.round_seconds(15) <= EXPLORE * choices.count(0) * MS
+    assert len(probes) * c.seconds[15] <= EXPLORE * choices.count(0) * MS
 
 
 def test_decode_steps_between_rounds_keep_the_draft_context_whole(agreeing_pair, scripted_lengths):

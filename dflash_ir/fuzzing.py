@@ -10,9 +10,10 @@ input kept in tests/fuzz/regressions/<target>/ through the same function, withou
 - artifact: an even first byte makes the rest a manifest body, which gets its digest line
   and goes through read_manifest and load_graphs; an odd one a graph file, through strict
   YAML, the graph reader and the verifier (seeds: a compiled one-layer artifact's).
-- tokenizer: the bytes as a stream of choices (tokens from the byte-level alphabet or
-  arbitrary, token types, merges, special ids of any type) building tokenizer.ggml.*
-  metadata, then the rest as text to encode, decode and stream-decode.
+- tokenizer: the bytes as a stream of choices building tokenizer.ggml.* metadata (choice 0
+  is well formed: byte characters, merged tokens with their merges, special tokens; each
+  other choice breaks one token, type, merge or id), then the rest as text to encode,
+  decode and stream-decode.
 
     python -m dflash_ir.fuzzing campaign [--runs 100000] [--work build/fuzz]   # all three
     python -m dflash_ir.fuzzing run gguf CORPUS_DIR -runs=1000 ...              # one, libFuzzer flags

@@ -63,3 +63,17 @@ def test_an_edit_with_every_hash_recomputed_is_refused_by_a_pinned_digest(copy, 
     new = rewrite(copy, lambda m: None)
     with pytest.raises(ArtifactError, match=f"the artifact's digest is {new}, not the pinned {pinned}"):
         load_compiled(copy, digest=pinned)
+
+
+def test_dflash_compile_prints_the_digest_dflash_run_pins(pair, tmp_path, capsys):
+    from dflash_ir.cli import compile as compile_cli
+    from dflash_ir.cli import run as run_cli
+
+    out = tmp_path / "out"
+    assert compile_cli.main([str(pair[0]), str(pair[1]), "-o", str(out), "-c", "64", "--backend", "numpy"]) == 0
+    digest = manifest_of(out)["digest"]
+    assert f"(digest {digest})" in capsys.readouterr().err
+    common = ["--artifact", str(out), "-p", "hi", "-n", "2", "--verify-sources", "strict"]
+    assert run_cli.main([*common, "--artifact-digest", digest]) == 0
+    assert run_cli.main([*common, "--artifact-digest", "0" * 64]) == 1
+    assert f"the artifact's digest is {digest}, not the pinned {'0' * 64}" in capsys.readouterr().err

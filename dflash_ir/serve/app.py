@@ -30,7 +30,7 @@ from . import openai_api as api
 from .generation import Prepared, respond
 from .metrics import ServerMetrics
 from .reasoning import ReasoningSplit
-from .scheduler import Scheduler
+from .scheduler import Scheduler, speculates
 
 STATIC = Path(__file__).parent / "static"
 
@@ -81,7 +81,7 @@ class ServerState:
         try:
             engine = self._load()
             cfg = self.config
-            speculative = cfg.speculative and engine.draft is not None
+            speculative = speculates(engine, cfg.speculative)
             scheduler = Scheduler(engine, cfg.n_slots, cfg.queue_size)
             self.metrics = scheduler.metrics = ServerMetrics(engine.draft.block_size if engine.draft else 16,
                                                              lambda: scheduler.busy_slots, lambda: scheduler.queued)

@@ -2,7 +2,7 @@
 folder and load it from there on every later start.
 
 The folder is named by what the artifact depends on (the GGUFs' absolute paths, sizes and
-modification times, backend, context size, optimisation level, dflash-ir version), so a
+modification times, backend, context size, optimisation level, numerics, dflash-ir version), so a
 changed input compiles afresh; a cached artifact that fails `load_compiled`'s checks is
 compiled again. A compile writes to a temporary folder renamed into place when complete,
 so an interrupted one leaves nothing that looks finished.
@@ -25,23 +25,25 @@ def default_cache_dir() -> Path:
 
 
 def cache_folder(cache_dir: Path, target: Path, draft: Path | None, *, backend: str, n_ctx: int,
-                 opt_level: int | None) -> Path:
+                 opt_level: int | None, numerics: str) -> Path:
     def source(p: Path | None):
         if p is None:
             return None
         st = p.stat()
         return [str(p.resolve()), st.st_size, st.st_mtime_ns]
 
-    key = json.dumps([source(target), source(draft), backend, n_ctx, opt_level, __version__])
+    key = json.dumps([source(target), source(draft), backend, n_ctx, opt_level, numerics, __version__])
     return Path(cache_dir) / f"{target.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def load_or_compile(target: Path, draft: Path | None, *, cache_dir: Path, backend: str, n_ctx: int, n_max: int,
-                    opt_level: int | None, dump_dir=None, progress: Callable[[str], None]):
+def load_or_compile(target: Path, draft: Path | None, *, cache_dir: Path, backend: str, n_ctx: int,
+                    n_max: int | None, opt_level: int | None, numerics: str, dump_dir=None,
+                    progress: Callable[[str], None]):
     """The Engine of the pair's cached artifact, compiling it first when there is none."""
     from dflash_ir.artifact import compile_pair, load_compiled
 
-    folder = cache_folder(cache_dir, target, draft, backend=backend, n_ctx=n_ctx, opt_level=opt_level)
+    folder = cache_folder(cache_dir, target, draft, backend=backend, n_ctx=n_ctx, opt_level=opt_level,
+                          numerics=numerics)
     if folder.is_dir():
         try:
             engine = load_compiled(folder, n_max=n_max)
@@ -54,6 +56,6 @@ def load_or_compile(target: Path, draft: Path | None, *, cache_dir: Path, backen
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     compile_pair(target.resolve(), draft.resolve() if draft else None, out=partial, backend=backend, n_ctx=n_ctx,
-                 n_max=n_max, opt_level=opt_level, dump_dir=dump_dir, progress=progress)
+                 n_max=n_max, opt_level=opt_level, numerics=numerics, dump_dir=dump_dir, progress=progress)
     partial.rename(folder)
     return load_compiled(folder, n_max=n_max)

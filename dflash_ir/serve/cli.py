@@ -16,11 +16,13 @@ import sys
 from pathlib import Path
 
 from dflash_ir.artifact import DEFAULT_CTX
+from dflash_ir.cli.args import integer, number
 from dflash_ir.cli.compile import add_compile_args, resolve_backend
 from dflash_ir.errors import ArtifactError
 from dflash_ir.runtime.sampling import SamplingParams
 
 from .artifact_cache import default_cache_dir, load_or_compile
+from .scheduler import speculates
 
 # llama-server flags that do not apply to dflash-ir: (names, takes a value, why)
 IGNORED = (
@@ -43,28 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                    help=f"where -m/-md artifacts are compiled and reused (default {default_cache_dir()})")
     add_compile_args(m)
-    m.set_defaults(ctx_size=None)
     m.add_argument("--spec-type", default="draft-dflash", choices=["draft-dflash"],
                    help="speculative decoding type: draft-dflash (the only one)")
     m.add_argument("--no-spec", action="store_true", help="target only: no speculative decoding")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
-    s.add_argument("-np", "--parallel", type=int, default=1, help="slots: sequences served at once (default 1)")
-    s.add_argument("--queue-size", type=int, default=64,
+    s.add_argument("--port", type=integer(0, 65535), default=8080, help="port to listen on (default 8080)")
+    s.add_argument("-np", "--parallel", type=integer(1), default=1, help="slots: sequences served at once (default 1)")
+    s.add_argument("--queue-size", type=integer(0), default=64,
                    help="requests that may wait for a slot; past it 503 + Retry-After (default 64)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or X-Api-Key) on every API route")
     s.add_argument("--alias", help="model name in the API (default: the target GGUF's file name)")
-    s.add_argument("--max-body-bytes", type=int, default=8 << 20,
+    s.add_argument("--max-body-bytes", type=integer(1), default=8 << 20,
                    help="largest request body (default 8 MiB; 413 past it)")
     g = p.add_argument_group("generation defaults (a request's own fields win)")
-    g.add_argument("-n", "--n-predict", type=int, default=-1, help="max tokens when a request gives none "
-                   "(default -1: until the context is full)")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8, as llama-server)")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per request)")
+    g.add_argument("-n", "--n-predict", type=integer(-1), default=-1, help="max tokens when a request gives none "
+                   "(default -1: until the context is full; 0: read the prompt only)")
+    g.add_argument("--temp", type=number(0), default=0.8, help="temperature, 0 = greedy (default 0.8, as llama-server)")
+    g.add_argument("--top-k", type=integer(0), default=40, help="0 = off (default 40)")
+    g.add_argument("--top-p", type=number(0, 1, low_open=True), default=0.95, help="in (0, 1], 1 = off (default 0.95)")
+    g.add_argument("--min-p", type=number(0, 1, high_open=True), default=0.05, help="in [0, 1), 0 = off (default 0.05)")
+    g.add_argument("--seed", type=integer(-1, 2**63 - 1), default=-1, help="sampling seed, -1 = random (default -1)")
     g.add_argument("--jinja", action="store_true", help="accepted: the GGUF's Jinja chat template is always used")
     g.add_argument("--chat-template-kwargs", type=_json_object, default={},
                    help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
@@ -93,14 +94,6 @@ def _check(p: argparse.ArgumentParser, args) -> None:
     for flag, path in (("-m", args.model), ("-md", args.model_draft)):
         if path and not Path(path).is_file():
             p.error(f"{flag}: no such file: {path}")
-    for flag, value, low in (("-np/--parallel", args.parallel, 1), ("--queue-size", args.queue_size, 0),
-                             ("--max-body-bytes", args.max_body_bytes, 1), ("--port", args.port, 0)):
-        if value < low:
-            p.error(f"{flag} must be at least {low}, got {value}")
-    try:
-        SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
-    except ValueError as e:
-        p.error(str(e))
 
 
 def _artifact_alias(p: argparse.ArgumentParser, args) -> str:
@@ -109,14 +102,13 @@ def _artifact_alias(p: argparse.ArgumentParser, args) -> str:
         return args.alias or Path(args.model).name
     from dflash_ir.artifact import read_manifest
 
+    if args.ctx_size is not None:
+        p.error("-c applies when compiling (with -m); an artifact keeps the context it was compiled for "
+                "(dflash-compile -c N)")
     try:
         manifest = read_manifest(args.artifact)
     except ArtifactError as e:
         p.error(str(e))
-    n_ctx = int(manifest["config"]["n_ctx"])
-    if args.ctx_size is not None and args.ctx_size != n_ctx:
-        p.error(f"-c {args.ctx_size}: the artifact {args.artifact} was compiled for a context of {n_ctx}; "
-                f"recompile it (dflash-compile -c {args.ctx_size}) or drop -c")
     return args.alias or Path(manifest["sources"]["target"]["path"]).name
 
 
@@ -142,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             engine = load_or_compile(Path(args.model), Path(args.model_draft) if args.model_draft else None,
                                      cache_dir=args.cache_dir, backend=resolve_backend(args.backend),
-                                     n_ctx=args.ctx_size or DEFAULT_CTX, n_max=args.spec_draft_n_max,
-                                     opt_level=args.opt_level, dump_dir=args.dump_ir, progress=_say)
-        spec = "speculative (DFlash)" if engine.draft is not None and not args.no_spec else "target only"
+                                     n_ctx=DEFAULT_CTX if args.ctx_size is None else args.ctx_size,
+                                     n_max=args.spec_draft_n_max, opt_level=args.opt_level, numerics=args.numerics,
+                                     dump_dir=args.dump_ir, progress=_say)
+        spec = "speculative (DFlash)" if speculates(engine, not args.no_spec) else "target only"
         _say(f"ready: model '{alias}', {args.parallel} slot(s), context {engine.n_ctx}, {spec}, "
              f"backend {engine.info.get('backend', {}).get('name')}")
         return engine
@@ -158,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ServeConfig(alias=alias, n_slots=args.parallel, queue_size=args.queue_size, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes, speculative=not args.no_spec, max_tokens=args.n_predict,
-                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed),
+                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.min_p,
+                                                 None if args.seed == -1 else args.seed),
                          template_kwargs=args.chat_template_kwargs)
     server = uvicorn.Server(uvicorn.Config(create_app(ServerState(config, load, on_failure)), host=args.host,
                                            port=args.port, timeout_graceful_shutdown=5))

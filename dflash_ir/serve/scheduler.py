@@ -23,6 +23,12 @@ from dflash_ir.runtime.stats import GenerationStats
 from .slot_state import SlotEngine
 
 
+def speculates(engine: Engine, wanted: bool) -> bool:
+    """Whether requests run speculatively: wanted (no --no-spec), a draft, and proposals to verify
+    (--spec-draft-n-max 0 drafts nothing)."""
+    return wanted and engine.draft is not None and engine.n_max > 0
+
+
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is at its bound."""
 

@@ -123,8 +123,9 @@ def test_generation_defaults_come_from_the_flags(start, engine):
 
 
 @pytest.mark.slow
-def test_no_spec_serves_the_target_alone(start, engine):
-    server = start("--no-spec", "--temp", "0")
+@pytest.mark.parametrize("flags", [("--no-spec",), ("--spec-draft-n-max", "0")])
+def test_no_spec_serves_the_target_alone(start, engine, flags):
+    server = start(*flags, "--temp", "0")
     r = OpenAI(base_url=server.url + "/v1", api_key="none").completions.create(
         model="coder-target-q8_0.gguf", prompt="def fib(n):", max_tokens=20, extra_body={"ignore_eos": True})
     gen = engine.generate("def fib(n):", max_tokens=20, ignore_eos=True, speculative=False)
@@ -140,10 +141,12 @@ def run_cli(*args) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args, words", [
     ((), "give either --artifact DIR or -m"),
     (("-m", "nowhere.gguf"), "-m: no such file"),
-    (("-m", str(TARGET), "-np", "0"), "-np/--parallel must be at least 1"),
+    (("-m", str(TARGET), "-np", "0"), "-np/--parallel: must be at least 1, got 0"),
+    (("-m", str(TARGET), "--port", "70000"), "--port: must be in 0..65535"),
+    (("-m", str(TARGET), "--top-p", "0"), "--top-p: must be a finite number in (0, 1]"),
     (("-m", str(TARGET), "--chat-template-kwargs", "[1]"), "must be a JSON object"),
     (("-m", str(TARGET), "--chat-template-kwargs", "{bad"), "not valid JSON"),
-    (("-m", str(TARGET), "--temp", "-1"), "temperature must be >= 0"),
+    (("-m", str(TARGET), "--temp", "-1"), "--temp: must be a finite number in [0, inf)"),
     (("-m", str(TARGET), "--spec-type", "ngram-cache"), "invalid choice: 'ngram-cache'"),
 ])
 def test_bad_flags_say_why(args, words):
@@ -151,9 +154,9 @@ def test_bad_flags_say_why(args, words):
     assert r.returncode == 2 and words in r.stderr
 
 
-def test_artifact_context_must_match(demo_artifact):
-    r = run_cli("--artifact", str(demo_artifact), "-c", "4096")
-    assert r.returncode == 2 and "compiled for a context of 512" in r.stderr
+def test_an_artifact_keeps_its_context(demo_artifact):
+    r = run_cli("--artifact", str(demo_artifact), "-c", "512")
+    assert r.returncode == 2 and "an artifact keeps the context it was compiled for" in r.stderr
 
 
 def test_not_an_artifact(tmp_path):

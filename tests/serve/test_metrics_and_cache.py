@@ -42,14 +42,15 @@ def test_a_finished_job_and_the_gauges():
 
 def test_the_cache_folder_changes_with_what_the_artifact_depends_on(tmp_path):
     target, draft = shutil.copy(TARGET, tmp_path / "t.gguf"), shutil.copy(DRAFT, tmp_path / "d.gguf")
-    base = dict(backend="opencl", n_ctx=512, opt_level=None)
+    base = dict(backend="opencl", n_ctx=512, opt_level=None, numerics="exact")
     first = cache_folder(tmp_path, target, draft, **base)
     assert cache_folder(tmp_path, target, draft, **base) == first and first.parent == tmp_path
     changed = [cache_folder(tmp_path, target, draft, **{**base, "backend": "numpy"}),
                cache_folder(tmp_path, target, draft, **{**base, "n_ctx": 1024}),
                cache_folder(tmp_path, target, draft, **{**base, "opt_level": 1}),
+               cache_folder(tmp_path, target, draft, **{**base, "numerics": "q8"}),
                cache_folder(tmp_path, target, None, **base)]
     st = os.stat(target)
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     changed.append(cache_folder(tmp_path, target, draft, **base))
-    assert len({first, *changed}) == 6
+    assert len({first, *changed}) == 7

@@ -18,6 +18,11 @@ def test_defaults_come_from_the_server():
     assert (req.stream, req.include_usage, req.stop, req.ignore_eos) == (False, False, [], False)
 
 
+def test_n_predict_zero_reads_the_prompt_only():
+    zero = api.ServerDefaults("demo", n_ctx=512, max_tokens=0, sampling=SamplingParams())
+    assert api.parse_completion({"prompt": "x"}, zero).max_tokens == 0
+
+
 def test_request_fields_win():
     req = api.parse_chat({**CHAT, "model": "demo", "temperature": 0, "top_p": 0.5, "top_k": 3, "min_p": 0.1,
                           "seed": 7, "max_completion_tokens": 9, "stop": "x", "stream": True,

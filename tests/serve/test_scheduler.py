@@ -150,3 +150,13 @@ def test_slot_count_and_queue_size_are_checked(engine):
         Scheduler(engine, n_slots=0, queue_size=1)
     with pytest.raises(ValueError, match="queue size"):
         Scheduler(engine, n_slots=1, queue_size=-1)
+
+
+def test_zero_tokens_reads_the_prompt_only(engine, prompt_ids):
+    rec = Recorder()
+    scheduler = Scheduler(engine, n_slots=1, queue_size=0)
+    scheduler.submit(rec.job(0, prompt_ids[0], max_tokens=0))
+    run_all(scheduler)
+    (end,) = rec.ends(0)
+    assert rec.tokens(0) == [] and isinstance(end, Finished)
+    assert (end.stats.prompt_tokens, end.stats.generated_tokens) == (len(prompt_ids[0]), 0)

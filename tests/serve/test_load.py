@@ -13,7 +13,9 @@ from .test_api import expected_text, metric_values, wait_idle
 
 LENGTHS = (8, 16, 24)
 REQUESTS, CLIENTS = 200, 8
-MEMORY_SLACK = 24 << 20  # bytes of resident memory the server may gain over the run
+# resident memory the server may gain: over the second half of the run, when every program
+# has run (a program's first run builds its kernels, once per process), and over all of it
+MEMORY_SLACK, MEMORY_SLACK_FIRST_USE = 16 << 20, 48 << 20
 
 
 def bodies_for(prompts, count: int) -> tuple[list[dict], dict[int, int]]:
@@ -47,8 +49,15 @@ def test_load(demo_artifact, engine, prompts, tmp_path):
         rss_before, metrics_before = server.rss_bytes(), metric_values(server)
 
         bodies, leave = bodies_for(prompts, REQUESTS)
+        half = REQUESTS // 2
         start = time.monotonic()
-        results, seconds = run(server.url, bodies, CLIENTS, cancel_after=leave)
+        results, seconds = run(server.url, bodies[:half], CLIENTS, cancel_after={i: n for i, n in leave.items()
+                                                                                if i < half})
+        wait_idle(server)
+        rss_half = server.rss_bytes()
+        leave_later = {i - half: n for i, n in leave.items() if i >= half}
+        rest, more_seconds = run(server.url, bodies[half:], CLIENTS, cancel_after=leave_later)
+        results, seconds = results + rest, seconds + more_seconds
         assert time.monotonic() - start < 120
         wait_idle(server)
         rss_after, metrics_after = server.rss_bytes(), metric_values(server)
@@ -65,11 +74,12 @@ def test_load(demo_artifact, engine, prompts, tmp_path):
 
         assert delta("finished") + delta("cancelled") == REQUESTS  # each request counted once, none lost
         assert delta("cancelled") >= 1 and delta("failed") == delta("rejected") == 0
-        assert rss_after - rss_before < MEMORY_SLACK, (rss_before, rss_after)
+        assert rss_after - rss_half < MEMORY_SLACK and rss_after - rss_before < MEMORY_SLACK_FIRST_USE, (
+            rss_before, rss_half, rss_after)
         assert request(server.port, "GET", "/health")[0] == 200
         assert all(not s["is_processing"] for s in json.loads(request(server.port, "GET", "/slots")[2]))
         print(f"\nload: {REQUESTS} requests, {CLIENTS} clients, 2 slots: {seconds:.1f}s, "
               f"{sum(r.completion_tokens for r in results) / seconds:.0f} tokens/s aggregate, "
-              f"{delta('cancelled'):.0f} cancelled, RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
+              f"{delta('cancelled'):.0f} cancelled, RSS {rss_before >> 20} -> {rss_half >> 20} -> {rss_after >> 20} MiB")
     finally:
         server.stop()

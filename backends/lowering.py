@@ -10,7 +10,9 @@ Besides kernels, lowering decides
 - in-place updates: a builder may write into an input whose buffer nobody reads later
   (a KV cache that is only read through the written copy);
 - temporaries: a fused op may be lowered as a sequence of other ops' kernels (`sub`),
-  whose intermediate values get buffers that live for that node only.
+  whose intermediate values get buffers that live for that node only;
+- memory: with these decisions made, the buffers of a call are assigned to slots
+  (passes/plan_memory.py, whose liveness analysis also decides the in-place writes).
 
 A plan is lowered for a device class, `profile`: "gpu" (thousands of threads, coalesced
 loads, work-group reductions) or "cpu" (OpenCL on PoCL, Vulkan on lavapipe: a few cores
@@ -27,6 +29,7 @@ from typing import Callable, Sequence
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph, Node, Value
 from dflash_ir.ops.registry import get_op
+from dflash_ir.passes.plan_memory import Liveness
 from dflash_ir.types import TensorType
 
 from .kir import K, KernelBuilder, const, var
@@ -88,10 +91,11 @@ class NodeCtxBase:
         v = Value(f"{self.outs[0].name}#{len(self._l.plan.temps)}", t)
         self._l.values[v.name] = v
         self._l.plan.temps[v.name] = str(t)
+        self._l.live.temp(v.name, self.index)
         self.temps.append(v.name)
         return v
 
-    def sub(self, op: str, *inputs: Value, outputs: Sequence[Value] | None = None, **attrs):
+    def sub(self, op: str, /, *inputs: Value, outputs: Sequence[Value] | None = None, **attrs):
         """Lower `op` on `inputs` as part of this node, into `outputs` (default: new temporaries);
         returns the output value, or a tuple of them."""
         if outputs is None:
@@ -103,11 +107,12 @@ class NodeCtxBase:
 
     def alias(self, out: Value, of: Value) -> None:
         """`out` is a view of `of`'s buffer (same bytes, another shape)."""
-        self._l.plan.aliases[out.name] = self._l.root(of.name)
+        self._l.plan.aliases[out.name] = self._l.live.alias(out.name, of.name)
 
     def can_overwrite(self, v: Value) -> bool:
-        """True when no later node, output or state reads `v`'s buffer, and it is not a weight."""
-        return self._l.dead_after(v.name, self.index)
+        """True when no later node, output or state reads `v`'s buffer, and it is not a weight
+        (passes/plan_memory.py: the liveness the memory plan is made from)."""
+        return self._l.live.dead_after(v.name, self.index)
 
     def packed(self, weights: Sequence[Value], layout: str) -> Value:
         """The weights' rows one after another (weights, or views of them, of one dtype and
@@ -133,28 +138,6 @@ class NodeCtxBase:
         check = Check(kind, v.name, size_expr(size), size_expr(rows), flags)
         if self.is_input(v) and check not in self._l.plan.checks:
             self._l.plan.checks.append(check)
-
-
-def attention_prologue(ctx: NodeCtxBase) -> tuple[Value, Value]:
-    """q and k of a fused_attention node after their rmsnorm and rope (q without its gate half)."""
-    q, k, _, q_norm, k_norm, positions = ctx.ins[:6]
-    a = ctx.attr
-    rope = {n: a[n] for n in ("n_rot", "theta", "sections", "interleaved") if n in a}
-    q_part = ctx.sub("slice", q, axis=2, start=0, stop=k.type.shape[2]) if a.get("gated") else q
-    return tuple(ctx.sub("rope", ctx.sub("rmsnorm", x, norm, eps=a["eps"]), positions, **rope)
-                 for x, norm in ((q_part, q_norm), (k, k_norm)))
-
-
-def attention_epilogue(ctx: NodeCtxBase, o: Value) -> None:
-    """The fused_attention output: o (rows, heads, dv) flattened, times sigmoid(gate) when gated."""
-    q, k = ctx.ins[:2]
-    rows, heads, dv = o.type.shape
-    flat = ctx.sub("reshape", o, shape=(rows, heads * dv))
-    if ctx.attr.get("gated"):
-        gate = ctx.sub("reshape", ctx.sub("slice", q, axis=2, start=k.type.shape[2]), shape=(rows, heads * dv))
-        ctx.sub("sigmoid_gate", flat, gate, outputs=[ctx.outs[0]])
-    else:
-        ctx.alias(ctx.outs[0], flat)
 
 
 class KernelSpec(KernelBuilder):
@@ -215,14 +198,7 @@ class Lowering:
         self.symbol_params = sorted(symbol_param(s) for s in graph.symbols)
         self.input_names = {v.name for v in graph.inputs} | {s.value.name for s in graph.states}
         self.weight_names = {w.value.name for w in graph.weights}
-        self.constant = set(self.weight_names)
-        # a state without an update must stay as it is: nothing may write into its buffer
-        kept = ({v for _, v in graph.outputs} | {s.update for s in graph.states if s.update}
-                | {s.value.name for s in graph.states if s.update is None})
-        self.last_use = {v: len(graph.nodes) for v in kept}
-        for i, n in enumerate(graph.nodes):
-            for x in n.inputs:
-                self.last_use[x] = max(self.last_use.get(x, -1), i)
+        self.live = Liveness(graph)
 
     def builder(self, op: str, index: int) -> Callable:
         builders = self.ctx_class.builders()
@@ -231,23 +207,15 @@ class Lowering:
         return builders[op]
 
     def root(self, name: str) -> str:
-        return self.plan.aliases.get(name, name)
-
-    def dead_after(self, name: str, index: int) -> bool:
-        root = self.root(name)
-        if root in self.constant:
-            return False
-        group = [v for v, r in self.plan.aliases.items() if r == root] + [root]
-        return root not in self.plan.temps and all(self.last_use.get(v, -1) <= index for v in group)
+        return self.live.root(name)
 
     def run(self) -> Plan:
         for i, node in enumerate(self.graph.nodes):
             ctx = self.ctx_class(self, i, node)
             self.builder(node.op, i)(ctx)
-            constant = bool(node.inputs) and all(x in self.constant for x in node.inputs)  # runs once, at load
-            if constant:
-                self.constant.update(v.name for v in node.outputs)
+            constant = i in self.live.constant_nodes  # runs once, at load
             self.plan.steps.append(Step(i, tuple(ctx.launches), constant, tuple(ctx.temps)))
+        self.plan.slots, self.plan.buffers = self.live.assign({n: v.type for n, v in self.values.items()})
         return self.plan
 
 

@@ -7,8 +7,13 @@ graph's symbols (named `n_<symbol>` as in the kernels), e.g. "cdiv(n_T*64, 256)"
 plan serves every call. A launch may carry a `when` condition: variants of a node (GEMV
 for few rows, tiled GEMM for many) are chosen per call from the bound sizes. `packs` are
 weights a kernel reads otherwise than as the GGUF stores them (LAYOUTS), alone or several
-with their rows one after another (a matmul group's): the runner packs them once, at
-load, and the packed copy is what the launches bind.
+one after another (a matmul group's, each packed on its own): the runner packs them once,
+at load, and the packed copy is what the launches bind.
+
+The memory plan is in the plan too (made at the end of lowering by passes/plan_memory.py):
+`slots`, each (symbols, bytes per unit of their product), so one plan sizes its buffers for
+every call, and `buffers`, the slot of every buffer a call uses; the runner allocates the
+slots once per set of symbol values.
 """
 from __future__ import annotations
 
@@ -97,6 +102,11 @@ class Plan:
     temps: dict[str, str] = field(default_factory=dict)     # temporary value -> its type ("f32[T,64]")
     checks: list[Check] = field(default_factory=list)
     packs: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)  # value -> (weights, layout)
+    # the memory plan (passes/plan_memory.py): per slot (symbols, bytes per unit of their
+    # product), and the slot of every buffer made per call (inputs, states, activations and
+    # temporaries; views by their root in `aliases`, weights and weight-only values resident)
+    slots: list[tuple[tuple[str, ...], int]] = field(default_factory=list)
+    buffers: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON/YAML-able manifest form, defaults left out: kernels appear by name (their sources
@@ -111,7 +121,8 @@ class Plan:
 
         return {"graph": self.graph, "steps": [step(s) for s in self.steps if s.launches],
                 "aliases": dict(self.aliases), "temps": dict(self.temps), "checks": [asdict(c) for c in self.checks],
-                **({"packs": {k: [list(w), layout] for k, (w, layout) in self.packs.items()}} if self.packs else {})}
+                **({"packs": {k: [list(w), layout] for k, (w, layout) in self.packs.items()}} if self.packs else {}),
+                "slots": [[list(symbols), per_unit] for symbols, per_unit in self.slots], "buffers": dict(self.buffers)}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "Plan":
@@ -121,7 +132,8 @@ class Plan:
                  for s in d["steps"]]
         checks = [Check(c["kind"], c["value"], c["size"], c["rows"], tuple(c["flags"])) for c in d["checks"]]
         packs = {k: (tuple(w), layout) for k, (w, layout) in d.get("packs", {}).items()}
-        return Plan(d["graph"], {}, steps, dict(d["aliases"]), dict(d["temps"]), checks, packs)
+        slots = [(tuple(symbols), per_unit) for symbols, per_unit in d["slots"]]
+        return Plan(d["graph"], {}, steps, dict(d["aliases"]), dict(d["temps"]), checks, packs, slots, dict(d["buffers"]))
 
     def kernel_names(self) -> list[str]:
         """Every kernel the plan launches, in first-launch order."""

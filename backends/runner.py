@@ -1,6 +1,6 @@
 """Runs a launch plan on a device: the part of the opencl/cuda/rocm backends that is the same
 for all of them. A device only has to allocate, copy and launch (tinygrad's Allocator +
-Program split); binding, memory planning, host checks and launch order live here.
+Program split); binding, allocating the planned buffers, host checks and launch order live here.
 
 Per call: symbols are bound from the input and state shapes, inputs and states are copied
 to the device, the steps launch in order, outputs are copied back. On a device that can copy
@@ -13,10 +13,12 @@ any program whose device shares the memory (`Device.memory`) takes them as input
 Weights are uploaded once (in the layout the kernels read: a packed copy where the plan
 asks for one, `plan.packs`), and steps that depend on weights only (e.g. dequantising a
 weight) run once at load; both are shared by every program of one load through `Resident`.
-Activation buffers are planned per set of symbol values by liveness (a buffer is reused
-once its last reader has run) and kept for the next call with the same sizes, together with
-the call's launch list (kernels, grid sizes, arguments all worked out): a decode or verify
-call with sizes seen before replays that list without evaluating a size expression.
+Every other buffer of a call (inputs, states, activations, temporaries) is in a slot of the
+plan's memory plan (`plan.slots`, `plan.buffers`: passes/plan_memory.py, made when the graph
+was lowered): the slots are allocated per set of symbol values, exactly as planned, and kept
+for the next call with the same sizes, together with the call's launch list (kernels, grid
+sizes, arguments all worked out): a decode or verify call with sizes seen before replays
+that list without evaluating a size expression.
 """
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ import numpy as np
 from dflash_ir.errors import ContextOverflowError
 from dflash_ir.interpreter import BindError, RunResult, WeightLoader, storage_shape
 from dflash_ir.ir import Graph, Value
-from dflash_ir.types import parse_type
+from dflash_ir.passes.plan_memory import slot_bytes
 
-from .plan import LAYOUTS, Check, Plan, compile_expr, packed_type, symbol_param
+from .plan import LAYOUTS, Check, Plan, compile_expr, symbol_param
 
 _PLANS_KEPT = 4  # buffer sets kept for distinct symbol values (prefill chunk sizes, T=1, T=16 ...)
 
@@ -108,9 +110,7 @@ class DeviceProgram:
         self.graph = graph
         self.plan = plan
         self.device = device
-        self.values = {**graph.values(), **{n: Value(n, parse_type(t)) for n, t in plan.temps.items()}}
-        self.values.update({name: Value(name, packed_type([self.values[w].type for w in ws]))
-                            for name, (ws, _) in plan.packs.items()})
+        self.values = graph.values()
         self._exprs: dict[str, Callable] = {}
         self._memory: OrderedDict[tuple, _Sized] = OrderedDict()
         self._root = lambda name: plan.aliases.get(name, name)
@@ -122,17 +122,9 @@ class DeviceProgram:
         self._resident.update({name: self._packed(tuple(by_name[w] for w in ws), weights, resident, layout)
                                for name, (ws, layout) in plan.packs.items()})
         self._run_constant_steps(resident)
-        # outputs, state updates, and the states' own buffers (which a caller's DeviceArray may
-        # point into until the next call has copied it in) are never reused within a call
-        self._kept = ({self._root(v) for _, v in graph.outputs} | {self._root(s.update) for s in graph.states if s.update}
-                      | {s.value.name for s in graph.states})
         self._keeps_states = callable(getattr(device, "copy", None))
         self._row_states = {v for _, v in graph.meta_dict.get("row_states", ())}
         self._symbols = graph.symbols  # walks every value: once, not per call
-        self._last_use: dict[str, int] = {}
-        for i, step in enumerate(plan.steps):
-            for x in graph.nodes[step.node].inputs:
-                self._last_use[self._root(x)] = i
 
     # -- load time ----------------------------------------------------------------------
     def _constant_keys(self, weights: WeightLoader) -> dict[str, tuple]:
@@ -154,11 +146,12 @@ class DeviceProgram:
         return resident.buffers[key]
 
     def _packed(self, ws: tuple, weights: WeightLoader, resident: Resident, layout: str):
-        """The device buffer of weights `ws`, their rows one after another, in `layout`."""
+        """The device buffer of weights `ws` in `layout`, one after another (each packed on
+        its own: a layout may pad a weight's rows)."""
         key = (tuple(self._keys[w.value.name] for w in ws), layout)
         if key not in resident.buffers:
-            rows = np.concatenate([self._storage(w, weights) for w in ws]) if len(ws) > 1 else self._storage(ws[0], weights)
-            resident.buffers[key] = self._upload(LAYOUTS[layout](rows))
+            packs = [LAYOUTS[layout](self._storage(w, weights)) for w in ws]
+            resident.buffers[key] = self._upload(np.concatenate(packs) if len(packs) > 1 else packs[0])
         return resident.buffers[key]
 
     def _storage(self, w, weights: WeightLoader) -> np.ndarray:
@@ -245,42 +238,13 @@ class DeviceProgram:
                 raise ValueError(f"{name}: attention: {rows} queries cannot be the last rows of kv_len {n}")
 
     def _buffers(self, bindings: dict[str, int]) -> "_Sized":
-        """Device buffers of every value for these symbol values (non-resident ones reusing a
-        buffer once the last step reading its value has run)."""
+        """Device buffers of every value for these symbol values: the plan's slots."""
         key = tuple(sorted(bindings.items()))
         if key in self._memory:
             self._memory.move_to_end(key)
             return self._memory[key]
-        slots: list[tuple[int, Any]] = []
-        free: list[int] = []
-        where: dict[str, int] = {}
-
-        def place(v: Value) -> None:
-            need = _nbytes(v, bindings)
-            fits = [s for s in free if slots[s][0] >= need]
-            if fits:
-                best = min(fits, key=lambda s: slots[s][0])
-                free.remove(best)
-            else:
-                best = len(slots)
-                slots.append((need, self.device.alloc(need)))
-            where[v.name] = best
-
-        for v in list(self.graph.inputs) + [s.value for s in self.graph.states]:
-            place(v)
-        for i, step in enumerate(self.plan.steps):
-            node = self.graph.nodes[step.node]
-            if step.constant:
-                continue
-            for v in list(node.outputs) + [self.values[t] for t in step.temps]:
-                if self._root(v.name) == v.name:
-                    place(v)
-            for x in set(node.inputs) | set(step.temps) | {v.name for v in node.outputs}:
-                root = self._root(x)
-                if (self._last_use.get(root, i) == i and root not in self._kept and root in where
-                        and where[root] not in free):
-                    free.append(where[root])
-        sized = _Sized({**{name: slots[s][1] for name, s in where.items()}, **self._resident})
+        slots = [self.device.alloc(slot_bytes(slot, bindings)) for slot in self.plan.slots]
+        sized = _Sized({**{name: slots[s] for name, s in self.plan.buffers.items()}, **self._resident})
         self._memory[key] = sized
         if len(self._memory) > _PLANS_KEPT:
             self._memory.popitem(last=False)

@@ -169,6 +169,24 @@ for _dt, _t, _q8 in ((Q8, 1, False), (Q8, 5, False), (F16, 3, False), (Q8, 4, Tr
         *c.b.matmul_group(c.b.op("quantize_q8_0", c.x("x", ("T", 64))) if q8 else c.x("x", ("T", 64)),
                           *(c.w(f"w{i}", (n, 64), dt) for i, n in enumerate((24, 8, 36))), op=OPS[dt],
                           form="gemv", K=64, Ns=(24, 8, 36), layout=f"{dt}_rowmajor")))
+
+
+def _fused_matmul(dtype: DType, widths: tuple[int, ...], norm: bool, epilogue: str, q8: bool = False, k: int = 96):
+    """Products with the norm before and the SwiGLU after (ragged widths: groups of 16 padded)."""
+    def make(c: CaseBuilder) -> None:
+        x = c.x("x", ("T", k))
+        operands = ([c.w("norm", (k,), F32)] if norm else []) + [c.w(f"w{i}", (n, k), dtype) for i, n in enumerate(widths)]
+        out = c.b.op("fused_matmul", c.b.op("quantize_q8_0", x) if q8 else x, *operands, op=OPS[dtype], form="gemv",
+                     K=k, Ns=widths, layout=f"{dtype}_rowmajor", norm_eps=1e-6 if norm else None, epilogue=epilogue)
+        c.out(*(out if isinstance(out, tuple) else (out,)))
+    return make
+
+
+for _t in (1, 3, 9):  # the CPU tiles' row buckets: 1, up to 4, past 8
+    case(f"fused_matmul_norm_group_{_t}_rows", T=_t)(_fused_matmul(Q8, (24, 8, 36), True, "none"))
+    case(f"fused_matmul_norm_swiglu_{_t}_rows", T=_t)(_fused_matmul(Q8, (40, 40), True, "swiglu"))
+case("fused_matmul_norm_one_f16", T=2)(_fused_matmul(F16, (20,), True, "none"))
+case("fused_matmul_swiglu_q8_x", T=5)(_fused_matmul(Q8, (48, 48), False, "swiglu", q8=True))
 for _dt in (F16, Q8):
     case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
         c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))
@@ -272,6 +290,36 @@ def _fused_gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, emit: bool, up
 case("fused_gated_delta_rule_decode_in_place", T=1)(_fused_gdn(2, 4, 16, 16, "tiled", False, True))
 case("fused_gated_delta_rule_rows_grouped", T=4)(_fused_gdn(1, 2, 32, 24, "grouped", True, False))
 
+
+def _gdn_layer(hk: int, hv: int, dk: int, dv: int, head_map: str, emit: bool, update: bool, conv_dtype: DType = F32,
+               norm_dtype: DType = F32):
+    """The whole layer's op from the conv input [T, q | k | v]; update as in _gdn, for both states."""
+    def make(c: CaseBuilder) -> None:
+        channels = 2 * hk * dk + hv * dv
+        conv_state, state = c.s("conv_state", (3, channels)), c.s("state", (hv, dk, dv))
+        y, conv_new, new, *rows = c.b.fused_gated_deltanet(
+            c.x("x", ("T", channels)), c.w("conv_w", (channels, 4), conv_dtype), conv_state, c.x("a", ("T", hv)),
+            c.x("b", ("T", hv)), c.w("dt_bias", (hv,)), c.b.neg(c.b.exp(c.w("a_log", (hv,)))), state,
+            c.x("z", ("T", hv, dv)), c.w("norm_w", (dv,), norm_dtype), key_heads=hk, eps=1e-6, norm_eps=1e-6,
+            scale=dk ** -0.5, head_map=head_map, emit_row_states=emit)
+        if update:
+            c.b.update_state(conv_state, conv_new)
+            _state_outputs(c, state, True, y, new, *rows)
+        else:
+            c.out(y, conv_new, new, *rows)
+    return make
+
+
+case("fused_gated_deltanet_decode_in_place", T=1)(_gdn_layer(2, 4, 16, 16, "tiled", False, True))
+case("fused_gated_deltanet_verify_rows_in_place", T=5)(_gdn_layer(2, 4, 16, 16, "tiled", True, True, F16))
+# 3 v heads per k head, dv 24 (a run of 3 CPU work-items per v head: reduced by a tree that is not a power of two)
+case("fused_gated_deltanet_grouped_dv24_rows", T=4)(_gdn_layer(1, 3, 32, 24, "grouped", True, False, BF16, BF16))
+# dv 20 and dk 12: no 8-wide CPU schedule, scalar q/k norms
+case("fused_gated_deltanet_tiled_dv20_dk12", T=3)(_gdn_layer(2, 4, 12, 20, "tiled", False, True))
+case("fused_gated_deltanet_one_v_head_per_k_head_dv40", T=2)(_gdn_layer(2, 2, 16, 40, "tiled", False, False))
+# 16 v heads of 128 per k head: one CPU work-group of 256, but parts' kernels on a GPU (over 1024 threads)
+case("fused_gated_deltanet_wide_k_head", T=2)(_gdn_layer(1, 16, 8, 128, "grouped", True, True))
+
 # -- data movement ------------------------------------------------------------------------
 case("concat_axis1", T=3)(lambda c: c.out(c.b.concat(c.x("a", ("T", 4)), c.x("b", ("T", 7)), c.x("c", ("T", 1)), axis=1)))
 case("concat_axis0")(lambda c: c.out(c.b.concat(c.ints("a", (2, 3), 9), c.ints("b", (4, 3), 9), axis=0)))
@@ -288,24 +336,34 @@ case("repeat_interleave", T=2)(lambda c: c.out(c.b.repeat(c.x("x", ("T", 3, 4)),
 
 
 # -- fused ops ------------------------------------------------------------------------------
-def _fused_attention(gated: bool, persist: bool):
+def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d: int = 16, dv: int = 16,
+                     rows: str | int = "T", pos: int = 6, past: int = 0, n_rot: int = 8, sections: tuple = (),
+                     interleaved: bool = False, positions_rank: int = 1, causal: bool | None = None, window: int = 0,
+                     read_old: bool = False):
+    """The layer over caches filled to `pos`; `rows` "T" (a verify or block: a symbol) or 1
+    (a decode: static); kv_len = pos + T + `past` (cache rows past the new ones, read from the
+    cache); M-RoPE with `sections` (positions [T, 4] when `positions_rank` is 2); with
+    `read_old` the graph also reads the caches as they were (the layer writes a copy)."""
     def make(c: CaseBuilder) -> None:
-        hq, hkv, d = 4, 2, 16
-        q = c.x("q", ("T", hq, 2 * d if gated else d))
-        k, v = c.x("k", ("T", hkv, d)), c.x("v", ("T", hkv, d))
-        k_cache, v_cache = c.s("k_cache", ("C", hkv, d)), c.s("v_cache", ("C", hkv, d))
-        pos = 6
-        c.inputs["positions"] = np.arange(pos, pos + c.bindings["T"], dtype=np.int32)
-        positions = c.b.input("positions", I32, ("T",))
+        t = c.bindings["T"] if rows == "T" else rows
+        q = c.x("q", (rows, hq, d + dv if gated else d))
+        k, v = c.x("k", (rows, hkv, d)), c.x("v", (rows, hkv, dv))
+        k_cache, v_cache = c.s("k_cache", ("C", hkv, d)), c.s("v_cache", ("C", hkv, dv))
+        if positions_rank == 2:
+            positions = c.ints("positions", (rows, 4), 4 * pos)
+        else:
+            c.inputs["positions"] = np.arange(pos, pos + t, dtype=np.int32)
+            positions = c.b.input("positions", I32, (rows,))
         res = c.b.fused_attention(q, k, v, c.w("q_norm", (d,)), c.w("k_norm", (d,)), positions, c.scalar("pos", pos),
-                                  c.scalar("kv_len", pos + c.bindings["T"]), k_cache, v_cache, eps=1e-6, n_rot=8,
-                                  theta=1e6, sections=(), interleaved=False, scale=d ** -0.5, causal=persist,
-                                  window=0, gated=gated, persist=persist, variant="block")
+                                  c.scalar("kv_len", pos + t + past), k_cache, v_cache, eps=1e-6, n_rot=n_rot,
+                                  theta=1e6, sections=sections, interleaved=interleaved, scale=d ** -0.5,
+                                  causal=persist if causal is None else causal, window=window, gated=gated,
+                                  persist=persist, variant="decode" if rows == 1 else "block")
         if persist:
             o, k_all, v_all = res
             c.b.update_state(k_cache, k_all)
             c.b.update_state(v_cache, v_all)
-            c.out(o)
+            c.out(o, *((c.b.sum(k_cache, axis=0), c.b.sum(v_cache, axis=0)) if read_old else ()))
         else:
             c.out(res)
     return make
@@ -313,6 +371,15 @@ def _fused_attention(gated: bool, persist: bool):
 
 case("fused_attention_gated_persist", T=5, C=16)(_fused_attention(True, True))
 case("fused_attention_block", T=4, C=12)(_fused_attention(False, False))
+case("fused_attention_decode_gqa2", C=40)(_fused_attention(True, True, rows=1, pos=23))
+case("fused_attention_decode_gqa1_full_rotary", C=12)(_fused_attention(False, True, hq=2, hkv=2, rows=1, n_rot=16))
+case("fused_attention_two_tiles_gqa4_dv24", T=20, C=48)(  # more rows than a CPU tile holds
+    _fused_attention(True, True, hq=8, hkv=2, dv=24, pos=9, sections=(2, 1, 1, 0), interleaved=True))
+case("fused_attention_window_sections_d40", T=6, C=40)(
+    _fused_attention(False, True, d=40, dv=40, pos=30, n_rot=12, sections=(2, 2, 2), positions_rank=2, window=9))
+case("fused_attention_block_cache_past_new_rows", T=4, C=20)(  # keys on both sides of the new rows
+    _fused_attention(True, False, hq=6, hkv=3, pos=5, past=7))
+case("fused_attention_persist_copy", T=3, C=12)(_fused_attention(False, True, read_old=True))
 
 
 @case("fused_moe", T=5)

@@ -21,3 +21,21 @@ def fused_moe(ctx: NodeCtx) -> None:
     gate_w = sh_gate_inp_w if sh_gate_inp_w.type.rank == 2 else ctx.sub("reshape", sh_gate_inp_w, shape=(1, width))
     gate = ctx.sub("sigmoid", ctx.sub("matmul", x, gate_w))
     ctx.sub("add", routed, ctx.sub("mul", shared, gate), outputs=[ctx.outs[0]])
+
+
+def fused_matmul_parts(ctx: NodeCtx) -> None:
+    """fused_matmul as rmsnorm, the product(s), then swiglu (where no fused kernel exists)."""
+    a = ctx.attr
+    x, *operands = ctx.ins
+    if a["norm_eps"] is not None:
+        x = ctx.sub("rmsnorm", x, operands[0], eps=a["norm_eps"])
+        operands = operands[1:]
+    shape = dict(form=a["form"], K=a["K"], layout=a["layout"])
+    swiglu = a["epilogue"] == "swiglu"
+    into = None if swiglu else list(ctx.outs)
+    if len(operands) == 1:
+        products = (ctx.sub(a["op"], x, operands[0], outputs=into, N=a["Ns"][0], **shape),)
+    else:
+        products = ctx.sub("matmul_group", x, *operands, outputs=into, op=a["op"], Ns=a["Ns"], **shape)
+    if swiglu:
+        ctx.sub("swiglu", *products, outputs=[ctx.outs[0]])

@@ -16,11 +16,12 @@ from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
-from ..kir import F32, I16, I32, I64, K, call, cast, const, dot4_i8, maximum, minimum, select, vsum
+from ..kir import F32, I16, I32, I64, K, call, call_function, cast, const, dot4_i8, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
-from .access import Q8_BLOCK, q8_row_bytes, weight_at
+from .access import Q8_BLOCK, SIGMOID, q8_row_bytes, weight_at
 from dflash_ir.quant import COLS_BLOCK_BYTES
+from .fused import fused_matmul_parts
 from .shapes import FLAT, cdiv, flat_launch, prod
 
 GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_q8_0); more take the tiled GEMM
@@ -234,18 +235,17 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
     output i getting weight i's columns. GPU profile: a GEMV for up to GEMV_ROWS rows, else
     a tiled GEMM; with a symbolic row count both are planned and the launch picks one per
     call (a prefill's single logits row is a GEMV, its 512 hidden rows a GEMM). CPU profile:
-    the rowwise schedule for every row count, Q8_0 weights packed in the split layout."""
+    Q8_0 weights in register tiles (_tiled_product), other weights in the rowwise schedule."""
     dtype, k = weights[0].type.dtype, weights[0].type.shape[1]
+    if ctx.profile == "cpu" and dtype is DType.Q8_0:
+        _tiled_product(ctx, x_value, weights, outs, res[0] if res else None)
+        return
     widths = [o.type.shape[-1] for o in outs]
     n = sum(widths)
     M, N = prod(x_value.type.shape[:-1]), const(n)
     x_q8 = x_value.type.dtype is DType.Q8_0
     rowwise = ctx.profile == "cpu"
-    tiled = rowwise and dtype is DType.Q8_0
-    if tiled:
-        w_value = ctx.packed(weights, "q8_0_cols16")
-    else:
-        w_value = weights[0] if len(weights) == 1 else ctx.packed(weights, "as_stored")
+    w_value = weights[0] if len(weights) == 1 else ctx.packed(weights, "as_stored")
     fixed = M.arg if M.op == "const" else None
 
     def kernel(op: str, local) -> tuple[KernelSpec, Buffer, Buffer, Store]:
@@ -256,14 +256,6 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
         bufs = [kb.bind(name, o, writes=True) for name, o in zip(names, outs)]
         return kb, x, w, _store(bufs, widths, r)
 
-    if tiled:
-        for rows, groups, lo, hi in TILES[x_q8]:
-            if fixed is None or lo <= fixed <= hi:
-                kb, x, w, store = kernel("matmul_tiles", (TILE_ITEMS,))
-                _tiled_q8_0(kb, M, n, k, rows, groups, store, w, x, x_q8)
-                kb.launch([cdiv(const(-(-n // COLS)), groups * TILE_ITEMS), cdiv(M, rows)],
-                          when=None if fixed else (M >= lo) & (M <= hi))
-        return
     if rowwise:
         for rows, when in ((1, M.eq(1)), (ROWWISE_ROWS, M > 1)):  # one row keeps its sums in registers
             if fixed is None or (fixed == 1) == (rows == 1):
@@ -295,26 +287,92 @@ TILES = {False: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 4, 3, 4), (8, 2, 5, 8), (16, 1,
          True: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 2, 3, 4), (8, 1, 5, 1 << 30))}
 
 
-def _tiled_q8_0(kb: KernelSpec, M: K, n: int, k: int, R: int, G: int, store: Store, w: Buffer, x: Buffer,
-                x_q8: bool) -> None:
-    """CPU schedule of x @ wᵀ for a Q8_0 weight packed 16 rows at a time (pack_q8_0_cols16):
-    a work-item owns R rows of x and G groups of 16 outputs, and keeps its R x G sums as
-    16-wide vectors in named registers (the tile is unrolled here: arrays indexed in loops
-    stay in memory on PoCL, at a third of the speed). Per input index it converts each
-    group's 16 quants once, scaled by their blocks' scales, and adds them times x, broadcast,
-    to every row's sums: R x G FMAs per G loads. Rows past M repeat row M-1 and are not stored.
+@dataclass(frozen=True)
+class Tiled:
+    """What a CPU tile computes: the products of x with `weights` (Q8_0, packed one after
+    another by quant.pack_q8_0_cols16, each padded to whole groups of 16 rows), optionally
+    RMS-normalising x first (`norm`: weight value and eps) and adding `residual`, and
+    writing each product to its output, or silu(product 0) * product 1 with `swiglu`."""
 
-    Every output's sum is the same sequence of FMAs whatever R and G are, so a row's result
+    x: Value
+    weights: tuple
+    outs: tuple
+    residual: Value | None = None
+    norm: tuple[Value, float] | None = None
+    swiglu: bool = False
+
+    @property
+    def k(self) -> int:
+        return self.weights[0].type.shape[1]
+
+    @property
+    def widths(self) -> list[int]:
+        return [w.type.shape[0] for w in self.weights]
+
+    @property
+    def starts(self) -> list[int]:
+        """Each weight's first group in the pack."""
+        groups = [-(-n // COLS) for n in self.widths]
+        return [sum(groups[:i]) for i in range(len(groups))]
+
+    @property
+    def units(self) -> int:
+        """Independent pieces of work: groups of 16 outputs (pairs of gate and up groups with swiglu)."""
+        return -(-self.widths[0] // COLS) if self.swiglu else sum(-(-n // COLS) for n in self.widths)
+
+
+def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: Value | None = None,
+                   norm: tuple[Value, float] | None = None, swiglu: bool = False) -> None:
+    """Launch the CPU tiles of a product, one kernel per row-count bucket (TILES)."""
+    t = Tiled(x, tuple(weights), tuple(outs), residual, norm, swiglu)
+    packed = ctx.packed(weights, "q8_0_cols16")
+    M = prod(x.type.shape[:-1])
+    x_q8 = x.type.dtype is DType.Q8_0
+    fixed = M.arg if M.op == "const" else None
+    for rows, groups, lo, hi in TILES[x_q8]:
+        if fixed is not None and not lo <= fixed <= hi:
+            continue
+        per = max(1, groups // 2) if swiglu else groups  # units per work-item
+        kb = ctx.kernel("matmul_tiles", (TILE_ITEMS,))
+        bufs = {"x": kb.bind("x", x), "w": kb.bind("w", packed)}
+        if norm:
+            bufs["norm"] = kb.bind("norm", norm[0])
+        if residual is not None:
+            bufs["residual"] = kb.bind("residual", residual)
+        names = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
+        bufs["outs"] = [kb.bind(name, o, writes=True) for name, o in zip(names, outs)]
+        _tiles(kb, t, M, rows, per, bufs)
+        kb.launch([cdiv(const(t.units), per * TILE_ITEMS), cdiv(M, rows)],
+                  when=None if fixed is not None else (M >= lo) & (M <= hi))
+
+
+def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict) -> None:
+    """CPU schedule of a product over Q8_0 weights packed 16 rows at a time: a work-item owns
+    R rows of x and P units (groups of 16 outputs, or gate/up pairs of groups) and keeps its
+    sums as 16-wide vectors in named registers (the tile is unrolled here: arrays indexed in
+    loops stay in memory on PoCL, at a third of the speed). Per input index it converts each
+    group's 16 quants once, scaled by their blocks' scales (and the norm weight), and adds
+    them times x, broadcast, to every row's sums: R FMAs per group load. Rows past M repeat
+    row M-1 and are not stored. With a norm, a row's 1/RMS multiplies its sums at the end.
+
+    Every output's sum is the same sequence of FMAs whatever R and P are, so a row's result
     does not depend on how many rows share the call (batch invariance). With x in Q8_0 the
     products of a block are summed exactly (integer-valued floats below 2^24), then scaled by
     both blocks' scales."""
-    nb, groups = k // 32, -(-n // COLS)
+    x, w = bufs["x"], bufs["w"]
+    k, nb = t.k, t.k // 32
+    x_q8 = t.x.type.dtype is DType.Q8_0
     V = F32.vec(COLS)
     r0 = kb.let("r0", kb.gid(1) * R)
-    g0 = kb.let("g0", (kb.gid(0) * TILE_ITEMS + kb.lid(0)) * G)
-    kb.return_if(g0 >= groups)
+    u0 = kb.let("u0", (kb.gid(0) * TILE_ITEMS + kb.lid(0)) * P)
+    kb.return_if(u0 >= t.units)
     rows = [kb.let(f"xr{r}", cast(I64, minimum(r0 + r, M - 1))) for r in range(R)]
-    base = [kb.let(f"wg{j}", cast(I64, minimum(g0 + j, groups - 1)) * (nb * COLS_BLOCK_BYTES)) for j in range(G)]
+    # the work-item's groups: unit u is group u, or gate group u and up group u + starts[1]
+    slots = [(p, m) for p in range(P) for m in ((0, 1) if t.swiglu else (0,))]
+    group = [minimum(u0 + p, t.units - 1) + (t.starts[1] if m else 0) for p, m in slots]
+    base = [kb.let(f"wg{j}", cast(I64, g) * (nb * COLS_BLOCK_BYTES)) for j, g in enumerate(group)]
+    G = len(slots)
+    inv = [kb.let(f"inv{r}", _inverse_rms(kb, x, rows[r] * k, k, t.norm[1], r)) for r in range(R)] if t.norm else []
     acc = {(r, j): kb.let(f"acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(G)}
     with kb.loop("b", 0, nb) as b:
         at = [kb.let(f"at{j}", base[j] + b * COLS_BLOCK_BYTES) for j in range(G)]
@@ -324,7 +382,10 @@ def _tiled_q8_0(kb: KernelSpec, M: K, n: int, k: int, R: int, G: int, store: Sto
             xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
         with kb.loop("kk", 0, 32, unroll=UNROLL) as kk:  # not unrolled, PoCL ran this loop 4x slower
             quant = [cast(V, w.load(at[j] + 2 * COLS + kk * COLS, "i8", COLS)) for j in range(G)]
-            wv = [kb.let(f"w{j}", quant[j] if x_q8 else quant[j] * scale[j]) for j in range(G)]
+            if t.norm:
+                nw = kb.let("nw", weight_at(t.norm[0].type.dtype, bufs["norm"], const(0), b * 32 + kk, k))
+            wv = [kb.let(f"w{j}", quant[j] if x_q8 else quant[j] * scale[j] * nw if t.norm else quant[j] * scale[j])
+                  for j in range(G)]
             for r in range(R):
                 xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + kk, "i8")) if x_q8 else x[rows[r] * k + b * 32 + kk])
                 for j in range(G):
@@ -335,13 +396,67 @@ def _tiled_q8_0(kb: KernelSpec, M: K, n: int, k: int, R: int, G: int, store: Sto
                 dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
                 for j in range(G):
                     kb.set(acc[r, j], call("fma", dot[r, j], scale[j] * dx, acc[r, j]))
+    _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
+
+
+def _inverse_rms(kb: KernelSpec, x: Buffer, start: K, k: int, eps: float, r: int) -> K:
+    """1 / sqrt(mean(x²) + eps) of the k values of x from `start`, summed 16 lanes wide."""
+    ss = kb.let(f"ss{r}", cast(F32.vec(COLS), 0.0))
+    with kb.loop("c", 0, k, COLS) as c:
+        v = kb.let("xv", x.load(start + c, lanes=COLS))
+        kb.set(ss, call("fma", v, v, ss))
+    return 1.0 / call("sqrt", vsum(ss) / float(k) + float(eps))
+
+
+def _store_tiles(kb: KernelSpec, t: Tiled, M: K, R: int, r0: K, u0: K, slots, acc, inv, bufs) -> None:
+    """Each valid row's sums, lane by lane, into the output their group belongs to."""
     lanes = kb.array("lanes", F32, COLS)
+    up_lanes = kb.array("up_lanes", F32, COLS) if t.swiglu else None
+    outs, residual = bufs["outs"], bufs.get("residual")
     for r in range(R):
-        for j in range(G):
-            with kb.if_(r0 + r < M):
-                kb.set(lanes.vec(0, COLS), acc[r, j])
-                with kb.loop("e", 0, COLS, cond=lambda e: (g0 + j) * COLS + e < n) as e:
-                    store(r0 + r, (g0 + j) * COLS + e, lanes[e])
+        scale = inv[r] if inv else None
+        for j, (p, m) in enumerate(slots):
+            if m:  # the up half of a pair: stored with its gate half
+                continue
+            with kb.if_((r0 + r < M) & (u0 + p < t.units)):
+                kb.set(lanes.vec(0, COLS), acc[r, j] * scale if scale is not None else acc[r, j])
+                if t.swiglu:
+                    kb.set(up_lanes.vec(0, COLS), acc[r, j + 1] * scale if scale is not None else acc[r, j + 1])
+                for i, out in enumerate(outs):
+                    _store_member(kb, t, i, out, r0 + r, u0 + p, lanes, up_lanes, residual)
+
+
+def _store_member(kb: KernelSpec, t: Tiled, i: int, out: Buffer, row: K, unit: K, lanes, up_lanes, residual) -> None:
+    """The lanes of unit `unit` that fall in output i (weight i's groups), masked to its width."""
+    first, width = t.starts[i], t.widths[i]
+
+    def lanes_out() -> None:
+        with kb.loop("e", 0, COLS, cond=lambda e: (unit - first) * COLS + e < width) as e:
+            at = cast(I64, row) * width + (unit - first) * COLS + e
+            value = lanes[e]
+            if t.swiglu:
+                value = value * call_function(SIGMOID, value) * up_lanes[e]
+            out[at] = value + residual[at] if residual is not None else value
+
+    if len(t.outs) == 1:
+        lanes_out()
+        return
+    with kb.if_((unit >= first) & (unit < first + -(-width // COLS))):
+        lanes_out()
+
+
+@lowers("fused_matmul")
+def fused_matmul(ctx: NodeCtx) -> None:
+    """CPU profile, Q8_0: one tiled kernel with the norm and the SwiGLU inside. Elsewhere
+    the parts' kernels (kernels/fused.py)."""
+    a = ctx.attr
+    x, *operands = ctx.ins
+    norm = (operands[0], a["norm_eps"]) if a["norm_eps"] is not None else None
+    weights = operands[1:] if norm else operands
+    if ctx.profile != "cpu" or weights[0].type.dtype is not DType.Q8_0:
+        fused_matmul_parts(ctx)
+        return
+    _tiled_product(ctx, x, weights, ctx.outs, norm=norm, swiglu=a["epilogue"] == "swiglu")
 
 
 @lowers("matmul_group")

@@ -111,3 +111,36 @@ def quantize_q8_0_op(x):
     """x quantised to Q8_0 blocks along its last dim, as llama.cpp's quantize_row_q8_0
     (the activations of a Q8_0 x Q8_0 product)."""
     return quantize_q8_0(x)
+
+
+EPILOGUES = ("none", "swiglu")
+
+
+def _fused_matmul_rule(x: TensorType, *operands: TensorType, op, form, K, Ns, layout, norm_eps, epilogue):
+    choice_attr("epilogue", epilogue, EPILOGUES)
+    weights = operands[1:] if norm_eps is not None else operands
+    check(len(weights) >= 1 and len(Ns) == len(weights), f"Ns={Ns!r} must give one N per weight ({len(weights)})")
+    if norm_eps is not None:
+        expect_dtype("x", x, DType.F32)
+        check(operands[0].rank == 1 and operands[0].shape[0] == x.shape[-1],
+              f"norm weight {operands[0]} must be [{x.shape[-1]}]")
+    outs = [get_op(op).output_types([x, w], dict(form=form, K=K, N=n, layout=layout))[0] for w, n in zip(weights, Ns)]
+    if epilogue == "swiglu":
+        check(len(outs) == 2 and outs[0] == outs[1], f"swiglu needs two products of one shape, got {outs}")
+        return outs[0]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+@defop("fused_matmul", _fused_matmul_rule)
+def fused_matmul(x, *operands, op, form, K, Ns, layout, norm_eps=None, epilogue="none"):
+    """Products of one x with their prologue and epilogue in one kernel: with `norm_eps`, x is
+    first RMS-normalised with operands[0] (rmsnorm's reference); then x @ wᵢᵀ for each weight
+    (`op`'s reference); `swiglu` returns silu(product 0) * product 1 instead of the products."""
+    weights = operands
+    if norm_eps is not None:
+        x = get_op("rmsnorm").run([x, operands[0]], {"eps": norm_eps})[0]
+        weights = operands[1:]
+    outs = [get_op(op).run([x, w], dict(form=form, K=K, N=n, layout=layout))[0] for w, n in zip(weights, Ns)]
+    if epilogue == "swiglu":
+        return get_op("swiglu").run(outs, {})[0]
+    return outs[0] if len(outs) == 1 else tuple(outs)

@@ -1,0 +1,71 @@
+"""fuse_matmul: a Q8_0 product absorbs the RMSNorm before it and the SwiGLU after it.
+
+A layer normalises its input and projects it (attention q/k/v, a Gated DeltaNet layer's
+input projections, the MLP's gate and up, the output head), and the MLP multiplies
+silu(gate) by up. As separate kernels the normalised row and the two projections make
+round trips through memory and cost a launch each; as one `fused_matmul` the kernel
+normalises on the fly (the row's RMS folded into the product, the norm weight into the
+weight vectors) and writes silu(gate) * up directly. Two rules, to a fixpoint:
+- `norm`: a Q8_0 matmul_group, matmul_q8_0 (without residual) or fused_matmul without a
+  prologue, whose f32 x is an rmsnorm read by nothing else, takes the norm's input and
+  weight (`norm_eps`);
+- `swiglu`: swiglu(p0, p1) where p0 and p1 are the two outputs of one Q8_0 matmul_group or
+  fused_matmul, read by nothing else, becomes that product with epilogue "swiglu".
+The fused op's reference is the composition of the ops it replaced, so outputs are
+bit-identical (tests/passes/test_fuse_matmul.py).
+"""
+from __future__ import annotations
+
+from dflash_ir.dtypes import DType
+from dflash_ir.ir import Graph
+from dflash_ir.rewrite import P, Rule, V, rewrite
+
+PRODUCT = "matmul_q8_0"
+_SHAPE = ("op", "form", "K", "Ns", "layout")
+
+
+def _product_attrs(node) -> dict | None:
+    """The fused_matmul attrs of a Q8_0 product node (None if it cannot be fused)."""
+    a = node.attr
+    if node.op == "fused_matmul":
+        return {k: a[k] for k in _SHAPE + ("norm_eps", "epilogue")}
+    if node.op == "matmul_group" and a["op"] == PRODUCT:
+        return {**{k: a[k] for k in _SHAPE}, "norm_eps": None, "epilogue": "none"}
+    if node.op == PRODUCT and len(node.inputs) == 2:
+        return {"op": PRODUCT, "form": a["form"], "K": a["K"], "Ns": (a["N"],), "layout": a["layout"],
+                "norm_eps": None, "epilogue": "none"}
+    return None
+
+
+def _norm(m, emit):
+    node = m.root
+    attrs = _product_attrs(node)
+    x = emit.value(node.inputs[0])
+    if attrs is None or attrs["norm_eps"] is not None or emit.kind(x) != "node" or emit.uses(x) != 1:
+        return None
+    norm = m.producer(x)
+    if norm.op != "rmsnorm" or len(norm.inputs) != 2 or x.type.dtype is not DType.F32:
+        return None
+    operands = [emit.value(n) for n in (*norm.inputs, *node.inputs[1:])]
+    out = emit.op("fused_matmul", *operands, **{**attrs, "norm_eps": norm.attr["eps"]})
+    return dict(zip(node.outputs, out if isinstance(out, tuple) else (out,)))
+
+
+def _swiglu(m, emit):
+    gate, up = m["gate"], m["up"]
+    if emit.kind(gate) != "node" or emit.uses(gate) != 1 or emit.uses(up) != 1:
+        return None
+    node = m.producer(gate)
+    attrs = _product_attrs(node)
+    if (attrs is None or attrs["epilogue"] != "none" or len(node.outputs) != 2
+            or (node.outputs[0].name, node.outputs[1].name) != (gate.name, up.name)):
+        return None
+    return emit.op("fused_matmul", *(emit.value(n) for n in node.inputs), **{**attrs, "epilogue": "swiglu"})
+
+
+RULES = [Rule("norm", P(("matmul_group", PRODUCT, "fused_matmul"), output=None), _norm),
+         Rule("swiglu", P("swiglu", V("gate"), V("up")), _swiglu)]
+
+
+def fuse_matmul(graph: Graph) -> Graph:
+    return rewrite(graph, RULES, name="fuse_matmul")

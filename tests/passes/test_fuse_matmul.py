@@ -1,0 +1,64 @@
+"""fuse_matmul: Q8_0 products absorb the RMSNorm before them and the SwiGLU after them."""
+import pytest
+
+from dflash_ir.builder import GraphBuilder
+from dflash_ir.dtypes import DType
+from dflash_ir.passes.fuse_matmul import fuse_matmul
+from dflash_ir.passes.pipeline import run_pipeline
+
+
+def _norm_fed_products(graph) -> int:
+    producers = graph.producers()
+    return sum(1 for n in graph.nodes if n.op in ("matmul_group", "matmul_q8_0", "fused_matmul")
+               and n.inputs[0] in producers and producers[n.inputs[0]].op == "rmsnorm")
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_norms_and_mlp_swiglus_fold_into_the_products_bit_identically(tiny_models, worst_relative, arch):
+    pair = tiny_models(arch, "q8_0")
+    cfg = pair.configs["target"]
+    for name in ("target.decode", "target.verify", "draft.block"):
+        before = run_pipeline(pair.graphs[name], skip=["fuse_matmul"])
+        after = fuse_matmul(before)
+        fused = [n for n in after.nodes if n.op == "fused_matmul"]
+        assert _norm_fed_products(before) > 0 and _norm_fed_products(after) == 0, name
+        assert sum(n.attr["norm_eps"] is not None for n in fused) == _norm_fed_products(before), name
+        mlp_swiglus = sum(1 for n in fused if n.attr["epilogue"] == "swiglu")
+        if name.startswith("target"):
+            assert mlp_swiglus == (0 if cfg.n_expert else cfg.n_layer), name  # MoE experts keep theirs
+        assert after.op_counts().get("swiglu", 0) == before.op_counts().get("swiglu", 0) - mlp_swiglus, name
+        assert worst_relative(before, after, pair.weights) == 0.0, name
+
+
+def test_q8_numerics_keep_the_norm_out_of_the_product(tiny_models):
+    """The norm's output is quantised first: the product's x is the quantize, not the norm."""
+    g = run_pipeline(tiny_models("qwen35", "q8_0").graphs["target.decode"], numerics="q8")
+    fused = [n for n in g.nodes if n.op == "fused_matmul"]
+    assert fused and all(n.attr["norm_eps"] is None for n in fused)
+    assert any(n.attr["epilogue"] == "swiglu" for n in fused)
+
+
+def _layer(norm_readers: int = 1, residual: bool = False, dtype=DType.Q8_0, swapped: bool = False):
+    b = GraphBuilder("probe")
+    x = b.input("x", DType.F32, ("T", 64))
+    h = b.rmsnorm(x, b.weight("nw", DType.F32, (64,)), eps=1e-6)
+    gate = b.matmul(h, b.dequantize(b.weight("wg", dtype, (32, 64))))
+    up = b.matmul(h, b.dequantize(b.weight("wu", dtype, (32, 64))))
+    act = b.swiglu(up, gate) if swapped else b.swiglu(gate, up)
+    down = b.matmul(act, b.dequantize(b.weight("wd", dtype, (64, 32))))
+    b.output("y", b.add(down, x) if residual else down)
+    if norm_readers > 1:
+        b.output("h", h)
+    return run_pipeline(b.build())
+
+
+def test_an_mlp_becomes_two_products():
+    ops = _layer().op_counts()
+    assert ops == {"fused_matmul": 1, "matmul_q8_0": 1}
+
+
+def test_declines_what_it_cannot_fuse():
+    assert "rmsnorm" in _layer(norm_readers=2).op_counts()  # the normalised row is an output too
+    assert _layer(dtype=DType.F16).op_counts().get("fused_matmul", 0) == 0  # no fused F16 kernel
+    swapped = [n for n in _layer(swapped=True).nodes if n.op == "fused_matmul"]
+    assert swapped and swapped[0].attr["epilogue"] == "none"  # silu(up) * gate is not the pair's SwiGLU

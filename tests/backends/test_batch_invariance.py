@@ -36,7 +36,7 @@ def wide_target(tmp_path_factory):
     return get
 
 
-@pytest.fixture(params=[("opencl", "cpu"), ("opencl", "gpu"), ("vulkan", None), ("tvm-llvm", None)],
+@pytest.fixture(params=[("opencl", "cpu"), ("opencl", "gpu"), ("vulkan", None), ("tvm-llvm", None), ("cuda", None)],
                 ids=lambda p: "-".join(filter(None, p)))
 def device(request, monkeypatch):
     name, profile = request.param

@@ -15,6 +15,22 @@ def test_kernel_matches_interpreter(cuda, name, tmp_path):
     compare(cuda, name, tmp_path)
 
 
+def test_graph_replay_serves_new_inputs_of_the_same_sizes(cuda, tmp_path):
+    """The launch list is captured as a CUDA graph once; later calls replay it with new data."""
+    from dflash_ir.backends.selftest import case_graph
+    from dflash_ir.interpreter import Interpreter
+
+    c = CASES["fused_matmul_norm_swiglu_3_rows"].build()
+    graph = case_graph(c)
+    program = cuda.load(graph, cuda.compile(graph, tmp_path), tmp_path, lambda w: c.weights[w.tensor])
+    reference = Interpreter(graph, lambda w: c.weights[w.tensor])
+    for seed in range(3):
+        inputs = {k: v * (seed + 1) for k, v in c.inputs.items()}
+        got, want = program.run(inputs).outputs, reference.run(inputs).outputs
+        for key in want:
+            assert abs(got[key] - want[key]).max() <= 1e-5 * abs(want[key]).max()
+
+
 def test_ptx_fallback_runs(cuda, tmp_path, monkeypatch):
     """A GPU newer than every cubin loads the PTX (JIT-compiled by the driver)."""
     compile_ = type(cuda).compile

@@ -28,7 +28,8 @@ from .pair_checks import check_fits, check_text_processing, check_weights, resol
 from .serialize import YAML_DUMPER, GraphFormatError, dump_yaml, load_yaml
 
 FORMAT = "dflash-ir.artifact"
-FORMAT_VERSION = 3  # 2: target programs output their greedy ids; 3: the manifest's digest line
+FORMAT_VERSION = 4  # 2: target programs output their greedy ids; 3: the manifest's digest line;
+#                     4: launch plans carry their memory plan (slots, buffers)
 TARGET_PROGRAMS = ("prefill", "verify", "decode")
 DRAFT_PROGRAMS = ("inject", "block")
 DEFAULT_CTX = 4096
@@ -202,6 +203,16 @@ def read_manifest(path, *, digest: str | None = None) -> dict:
     return manifest
 
 
+def _load_program(be, name: str, graph, entry: dict, path: Path, weights):
+    """`be.load`, with a backend entry lacking a field or holding one of the wrong type (the
+    manifest's schema leaves backend entries to their backends) named as such."""
+    try:
+        return be.load(graph, entry, path, weights)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ArtifactError(f"{path / MANIFEST}: programs.{name}.backend is malformed for backend {be.name!r} "
+                            f"({type(e).__name__}: {e}); recompile the artifact") from None
+
+
 def _block_size(draft) -> int:
     """The draft's block size from its config or its manifest entry; 1 without a draft."""
     if draft is None:
@@ -260,7 +271,7 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
     check_weights(graphs, files, str(path))
     check_fits(graphs, files, n_ctx=cfg["n_ctx"], block_size=_block_size(cfg.get("draft")),
                dequantised=be.name == "numpy", where=str(path))
-    programs = {name: be.load(graphs[name], entry["backend"], path, weights)
+    programs = {name: _load_program(be, name, graphs[name], entry["backend"], path, weights)
                 for name, entry in manifest["programs"].items()}
     engine = make_engine(programs, n_ctx=cfg["n_ctx"], n_max=cfg["n_max"] if n_max is None else n_max,
                          draft_cfg=cfg.get("draft"),

@@ -102,6 +102,17 @@ def test_a_backend_path_leaving_the_artifact_is_refused_before_any_backend_reads
         load_compiled(copy)
 
 
+def test_a_backend_entry_missing_a_field_is_named(copy, monkeypatch):
+    """The schema leaves backend entries to their backends; a KeyError or TypeError from one
+    reading its entry is still an ArtifactError naming the program."""
+    from dflash_ir.backends.numpy_backend import NumpyBackend
+
+    monkeypatch.setattr(NumpyBackend, "load", lambda self, graph, entry, folder, weights: entry["plan"]["steps"])
+    with pytest.raises(ArtifactError, match=r"manifest.yaml: programs.draft.inject.backend is malformed for backend "
+                                            r"'numpy' \(KeyError: 'plan'\)"):
+        load_compiled(copy)
+
+
 def test_a_symlink_out_of_the_artifact_is_refused_before_reading(copy, tmp_path):
     outside = tmp_path / "outside.yaml"
     os.mkfifo(outside)            # reading it would block: the path is refused first

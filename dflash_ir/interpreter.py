@@ -43,12 +43,7 @@ class Interpreter:
         self._load_weight = load_weight
         self._weights = {w.value.name: w for w in graph.weights}
         self._ops = {n.op: get_op(n.op) for n in graph.nodes}
-        constant = set(self._weights)
-        self._folded: set[int] = set()
-        for i, n in enumerate(graph.nodes):
-            if n.inputs and all(x in constant for x in n.inputs):
-                self._folded.add(i)
-                constant.update(v.name for v in n.outputs)
+        self._folded = set(graph.weight_only())
         self._cache: dict[str, np.ndarray] = {}
 
     def _weight(self, name: str) -> np.ndarray:

@@ -115,6 +115,17 @@ class Graph:
             counts[n.op] = counts.get(n.op, 0) + 1
         return dict(sorted(counts.items()))
 
+    def weight_only(self) -> list[int]:
+        """Indices of the nodes computed from weights only (directly or through other such
+        nodes): run once per program, when it loads, their outputs kept with the weights."""
+        constant = {w.value.name for w in self.weights}
+        found = []
+        for i, n in enumerate(self.nodes):
+            if n.inputs and all(x in constant for x in n.inputs):
+                found.append(i)
+                constant.update(v.name for v in n.outputs)
+        return found
+
     def walk(self) -> Iterator[Node]:
         return iter(self.nodes)
 

@@ -28,8 +28,6 @@ from .ir import Graph, Node, State, Value, freeze_attr
 from .ops.registry import get_op
 from .verifier import VerifyError, verify
 
-# meta entries computed from a graph's value names and schedule: stale once a rule fires
-DERIVED_META = ("memory_plan", "memory_slots")
 MAX_SWEEPS = 64
 
 
@@ -310,15 +308,12 @@ class _Work:
             raise RewriteError(f"graph {self.graph.name!r}: the rewritten graph has a cycle")
         return out
 
-    def to_graph(self, changed: bool) -> Graph:
-        meta = self.meta
-        if changed:
-            meta = {k: v for k, v in meta.items() if k not in DERIVED_META}
+    def to_graph(self) -> Graph:
         g = self.graph
         used = {v for _, v in self.outputs} | {v for v, users in self.users.items() if users}
         return replace(g, weights=tuple(w for w in g.weights if w.value.name in used),
                        states=tuple(State(s.value, self.updates[s.value.name]) for s in g.states),
-                       nodes=tuple(self.schedule()), outputs=tuple(self.outputs), meta=tuple(sorted(meta.items())))
+                       nodes=tuple(self.schedule()), outputs=tuple(self.outputs), meta=tuple(sorted(self.meta.items())))
 
 
 # -- matching -----------------------------------------------------------------------------
@@ -449,7 +444,7 @@ def rewrite(graph: Graph, rules: Iterable[Rule], *, name: str) -> Graph:
         raise RewriteError(f"{name}: rules still firing after {MAX_SWEEPS} sweeps over {graph.name!r}")
     if not changed:
         return graph
-    out = work.to_graph(changed)
+    out = work.to_graph()
     try:
         return verify(out)
     except VerifyError as e:

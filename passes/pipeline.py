@@ -3,7 +3,10 @@
     -O0  the graph as built
     -O1  canonicalise
     -O2  canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_q8_0,
-         fuse_elementwise, group_matmuls, fuse_matmul, canonicalise, plan_memory   (the default)
+         fuse_elementwise, group_matmuls, fuse_matmul, canonicalise   (the default)
+
+Memory is planned after the pipeline, at the end of lowering (passes/plan_memory.py: the
+buffers of a call are only known once views, in-place writes and temporaries are decided).
 
 Numerics `q8` (default `exact`) adds quantize_activations after group_matmuls (after
 specialise_q8_0 at levels below 2): Q8_0 products take Q8_0 activations, as llama.cpp's CPU
@@ -30,13 +33,12 @@ from .fuse_gated_deltanet import fuse_gated_deltanet
 from .fuse_matmul import fuse_matmul
 from .fuse_moe import fuse_moe
 from .group_matmuls import group_matmuls
-from .plan_memory import plan_memory
 from .quantize_activations import NUMERICS, quantize_activations
 from .specialise_q8_0 import specialise_q8_0
 
 Pass = Callable[[Graph], Graph]
 PASSES: tuple[Pass, ...] = (canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_q8_0,
-                            fuse_elementwise, group_matmuls, fuse_matmul, canonicalise, plan_memory)
+                            fuse_elementwise, group_matmuls, fuse_matmul, canonicalise)
 LEVELS: dict[int, tuple[Pass, ...]] = {0: (), 1: (canonicalise,), 2: PASSES}
 DEFAULT_LEVEL = 2
 PASS_NAMES = tuple(dict.fromkeys(p.__name__ for p in PASSES + (quantize_activations,)))

@@ -1,12 +1,14 @@
 """What the optimisation pipeline does to a model pair: op counts and activation memory.
 
     python -m dflash_ir.passes.report TARGET.gguf [DRAFT.gguf] [-O 2] [--rows 16] [--prefill-rows 512] [--ctx 4096]
+                                      [--profile gpu|cpu]
 
 prints, for the target verify graph and the draft block graph, the count of every op as
 built (-O0) and after the pipeline at -O N, the total, and the kernels (ops other than
-reshape, which is a view); then the activation memory of the optimised target verify
-(`--rows` rows) and prefill (`--prefill-rows` rows) graphs with every activation in its
-own buffer and with the buffer slots of plan_memory.
+reshape, which is a view); then the memory of a call of the optimised target verify
+(`--rows` rows) and prefill (`--prefill-rows` rows) graphs lowered for `--profile`: with
+every buffer (input, activation, temporary) on its own, with the slots of the plan's memory
+plan (passes/plan_memory.py: what the runner allocates), and the states' slots.
 """
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import argparse
 import sys
 
 from dflash_ir.artifact import DEFAULT_CTX, open_pair
+from dflash_ir.backends.lowering import PROFILES, lower
 from dflash_ir.ir import Graph
 
 from .pipeline import DEFAULT_LEVEL, LEVELS, run_pipeline
-from .plan_memory import report as memory_report
+from .plan_memory import memory
 
 COUNTED = ("target.verify", "draft.block")
 VIEWS = ("reshape",)
@@ -36,11 +39,11 @@ def op_table(name: str, before: Graph, after: Graph, level: int) -> str:
     return "\n".join(lines)
 
 
-def memory_line(name: str, graph: Graph, bindings: dict[str, int]) -> str:
-    own, planned = memory_report(graph, bindings)
+def memory_line(name: str, graph: Graph, bindings: dict[str, int], profile: str) -> str:
+    own, planned, states = memory(graph, lower(graph, profile), bindings)
     shown = ", ".join(f"{k}={v}" for k, v in sorted(bindings.items()))
     return (f"  {name:<16} ({shown}): own buffers {own / 2**20:9.3f} MiB, planned {planned / 2**20:9.3f} MiB "
-            f"({planned / own:.0%})")
+            f"({planned / own:.0%}), states {states / 2**20:9.3f} MiB")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,15 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=16, help="verify rows T (default 16)")
     p.add_argument("--prefill-rows", type=int, default=512, help="prefill rows T (default 512)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context (cache rows C, default {DEFAULT_CTX})")
+    p.add_argument("--profile", choices=PROFILES, default="gpu", help="device profile lowered for (default gpu)")
     args = p.parse_args(argv)
     pair = open_pair(args.target, args.draft, opt_level=0)
     optimised = {name: run_pipeline(g, level=args.level) for name, g in pair.graphs.items()}
     for name in COUNTED:
         if name in pair.graphs:
             print(op_table(name, pair.graphs[name], optimised[name], args.level), end="\n\n")
-    print(f"activation memory at -O{args.level}:")
-    print(memory_line("target.verify", optimised["target.verify"], {"T": args.rows, "R": args.rows, "C": args.ctx}))
-    print(memory_line("target.prefill", optimised["target.prefill"], {"T": args.prefill_rows, "R": 1, "C": args.ctx}))
+    print(f"memory of a call at -O{args.level}, {args.profile} profile:")
+    for name, bindings in (("target.verify", {"T": args.rows, "R": args.rows, "C": args.ctx}),
+                           ("target.prefill", {"T": args.prefill_rows, "R": 1, "C": args.ctx})):
+        print(memory_line(name, optimised[name], bindings, args.profile))
     return 0
 
 

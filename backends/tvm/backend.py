@@ -31,7 +31,8 @@ def gpu_plan(plan: Plan, launches: Mapping[str, list[DeviceKernel]]) -> Plan:
 
     steps = [Step(s.node, tuple(l for launch in s.launches for l in expand(launch)), s.constant, s.temps)
              for s in plan.steps]
-    return Plan(plan.graph, {}, steps, dict(plan.aliases), dict(plan.temps), list(plan.checks))
+    return Plan(plan.graph, {}, steps, dict(plan.aliases), dict(plan.temps), list(plan.checks),
+                slots=list(plan.slots), buffers=dict(plan.buffers))
 
 
 class TVMBackend(Backend):

@@ -19,6 +19,7 @@ def test_report_prints_op_counts_and_memory(tiny_models, capsys):
     assert block["fused_attention"] == (0, 2)
     for t in (verify, block):
         assert t["kernels"][1] < t["kernels"][0] <= t["total"][0]
-    memory = re.findall(r"own buffers +([\d.]+) MiB, planned +([\d.]+) MiB", text)
-    assert len(memory) == 2 and all(float(after) < float(before) for before, after in memory)
+    memory = re.findall(r"own buffers +([\d.]+) MiB, planned +([\d.]+) MiB \(\d+%\), states +([\d.]+) MiB", text)
+    assert len(memory) == 2 and all(float(after) < float(before) for before, after, _ in memory)
+    assert memory[0][2] == memory[1][2] != "0.000"  # the same caches at both sizes
     assert "target.prefill   (C=64, R=1, T=32)" in text

@@ -96,7 +96,7 @@ def test_rules_apply_to_a_fixpoint_and_dead_nodes_go():
 def stateful():
     """acc <- acc + silu(x) * y, also an output; unused weight `w` only feeds dead code."""
     b = GraphBuilder("acc")
-    b.meta.update(kind="verify", memory_plan=(("a", 0),))
+    b.meta.update(kind="verify")
     x, y = b.input("x", DType.F32, (2, 8)), b.input("y", DType.F32, (2, 8))
     acc = b.state("acc", DType.F32, (2, 8))
     b.matmul(x, b.weight("w", DType.F32, (8, 8)))
@@ -113,7 +113,7 @@ def test_outputs_and_state_updates_are_rewired():
     out = rewrite(g, [fold], name="t")
     assert out.states[0].update == "acc.new" and dict(out.outputs)["gated"] == "gated"
     assert [w.tensor for w in out.weights] == [] and "matmul" not in out.op_counts()
-    assert out.meta_dict == {"kind": "verify"}  # the memory plan named old values: dropped
+    assert out.meta_dict == {"kind": "verify"}
     rng = np.random.default_rng(1)
     inputs = {"x": rng.standard_normal((2, 8)), "y": rng.standard_normal((2, 8))}
     states = {"acc": rng.standard_normal((2, 8))}

@@ -1,27 +1,32 @@
 """Gated DeltaNet state ops: depthwise causal conv1d and the gated delta rule, both with
-optional per-row states (what a speculative verify rolls back to)."""
+optional per-row states (what a speculative verify rolls back to), and the whole layer
+between its projections (fused_gated_deltanet: conv, recurrence, output norm and gate) as
+one kernel on the gated delta rule's schedules."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
+from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 
-from ..kir import F32, I64, K, call, call_function, cast, minimum, select
-from ..kir.build import Buffer
-from ..lowering import KernelSpec, NodeCtx, dim, lowers
+from ..kir import F32, I64, K, call, call_function, cast, const, minimum, select, vsum
+from ..kir.build import Array, Buffer
+from ..lowering import KernelSpec, NodeCtx, NodeCtxBase, dim, lowers
 from .access import SIGMOID, SOFTPLUS, weight_at
 from .shapes import FLAT, cdiv, pow2_threads
 
 
 @dataclass(frozen=True)
 class StateBuffers:
-    """The buffers a recurrence kernel binds after its inputs: `old` where it reads the old
+    """The buffers a recurrence kernel binds for one state: `old` where it reads the old
     state (the `state` input, or `new` itself when the update overwrites it), `out` its
-    output, `new` the new state, and `rows` the state after every row when the node emits it."""
+    output (if bound with the state), `new` the new state, and `rows` the state after every
+    row when the node emits it."""
 
     old: Buffer
-    out: Buffer
+    out: Buffer | None
     new: Buffer
     rows: Buffer | None
 
@@ -30,18 +35,24 @@ class StateBuffers:
         return self.old is self.new
 
 
-def _bind_states(ctx: NodeCtx, kb: KernelSpec, state: Value, out_name: str, allowed: bool = True) -> StateBuffers:
+def _bind_state(ctx: NodeCtx, kb: KernelSpec, state: Value, new_state: Value, rows: Value | None, *,
+                out: tuple[str, Value] | None = None, allowed: bool = True, prefix: str = "") -> StateBuffers:
     """Where allowed and nothing else reads the old state, the new state is written over it:
     the kernel then reads the old values through `new_state` and takes no `state` buffer."""
-    out, new_state, *rows = ctx.outs
     in_place = allowed and ctx.can_overwrite(state)
     if in_place:
         ctx.alias(new_state, state)
-    old = None if in_place else kb.bind("state", state)
-    result = kb.bind(out_name, out, writes=True)
-    new = kb.bind("new_state", new_state, writes=True)
-    row_states = kb.bind("row_states", rows[0], writes=True) if rows else None
+    old = None if in_place else kb.bind(f"{prefix}state", state)
+    result = kb.bind(out[0], out[1], writes=True) if out else None
+    new = kb.bind(f"{prefix}new_state", new_state, writes=True)
+    row_states = kb.bind(f"{prefix}row_states", rows, writes=True) if rows is not None else None
     return StateBuffers(new if in_place else old, result, new, row_states)
+
+
+def _bind_states(ctx: NodeCtx, kb: KernelSpec, state: Value, out_name: str, allowed: bool = True) -> StateBuffers:
+    """The state of a node whose outputs are (out, new state[, row states])."""
+    out, new_state, *rows = ctx.outs
+    return _bind_state(ctx, kb, state, new_state, rows[0] if rows else None, out=(out_name, out), allowed=allowed)
 
 
 @lowers("causal_conv1d")
@@ -80,6 +91,7 @@ def causal_conv1d(ctx: NodeCtx) -> None:
 
 
 CPU_COLS = 8  # CPU schedule: state columns per work-item
+MAX_GROUP = 1024  # work-items a fused_gated_deltanet work-group may hold (CUDA's, and most Vulkan devices')
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,7 @@ class Token:
 
     q: Callable[[K], K]              # q at key index e (normalised, not yet scaled)
     k: Callable[[K], K]
-    v: Callable[[K], K]              # v at value column c
+    v: Callable[[K], K]              # v at value column c (may add the statements computing it)
     decay: K                         # e^g
     beta: K
 
@@ -96,12 +108,15 @@ class Token:
 @dataclass(frozen=True)
 class Reads:
     """Where a gated delta rule kernel finds token t's inputs: the plain op's q, k, v, g, β
-    buffers, or the fused op's conv output and raw gates (whose token starts by normalising
-    q and k). `token(t, h, kh)` adds the statements starting token t for v head h to the
-    kernel whose buffers the reads were bound in, and returns its inputs."""
+    buffers, the fused op's conv output and raw gates (whose token starts by normalising
+    q and k), or the layer op's conv input. `token(t, h, kh)` adds the statements starting
+    token t for v head h to the kernel whose buffers the reads were bound in, and returns
+    its inputs. `shared`: q and k are read from work-group memory that the token's own
+    statements fill (ending with a barrier), so a schedule need not copy them there."""
 
     key_heads: int
     token: Callable[[K, K, K], Token]
+    shared: bool = False
 
 
 def _bind_inputs(ctx: NodeCtx, kb: KernelSpec, names: tuple[str, ...]) -> list[Buffer]:
@@ -120,6 +135,12 @@ def plain_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
         return Token(lambda e: q[qk(e)], lambda e: k[qk(e)], lambda c: v[(cast(I64, t) * hv + h) * dim(dv) + c],
                      call("exp", g[t * hv + h]), beta[t * hv + h])
     return Reads(hk, token)
+
+
+def _gates(gate_a: Buffer, gate_b: Buffer, dt_bias: Buffer, ssm_a: Buffer, hv: int, t: K, h: K) -> tuple[K, K]:
+    """The decay e^(softplus(a + dt_bias) · ssm_a) and β = sigmoid(b) of token t, v head h."""
+    return (call("exp", call_function(SOFTPLUS, gate_a[t * hv + h] + dt_bias[h]) * ssm_a[h]),
+            call_function(SIGMOID, gate_b[t * hv + h]))
 
 
 def fused_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
@@ -144,16 +165,144 @@ def fused_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
         kb.set(kn, 1.0 / call("sqrt", kn + eps))
         return Token(lambda e: mixed[q_at(e)] * qn, lambda e: mixed[k_at(e)] * kn,
                      lambda c: mixed[cast(I64, t) * channels + 2 * kd + h * dv + c],
-                     call("exp", call_function(SOFTPLUS, gate_a[t * hv + h] + dt_bias[h]) * ssm_a[h]),
-                     call_function(SIGMOID, gate_b[t * hv + h]))
+                     *_gates(gate_a, gate_b, dt_bias, ssm_a, hv, t, h))
     return Reads(hk, token)
+
+
+@dataclass(frozen=True)
+class Conv:
+    """The causal conv + SiLU inside a fused_gated_deltanet kernel, over xx = concat(conv
+    state, x) ([K-1 + T rows, C channels]). Each channel is convolved, and its states
+    written, by one work-item of one work-group: the k head's group takes the k head's q
+    and k channels (work-item i those at i, i + L, ...), the item owning a value column
+    its v channel. That item reads a channel's old state before it writes the channel's
+    new state, so the new state may overwrite the old one, for any number of rows."""
+
+    x: Buffer
+    w: Buffer
+    w_dtype: DType
+    width: int
+    channels: int
+    key_heads: int
+    dk: int
+    dv: int
+    T: K
+    states: StateBuffers
+
+    def xx(self, r: K, ch: K) -> K:
+        k1, c = self.width - 1, self.channels
+        return select(r < k1, self.states.old[r * c + ch], self.x[cast(I64, r - k1) * c + ch])
+
+    def silu(self, kb: KernelSpec, t: K, ch: K) -> K:
+        """silu of the conv output of token t, channel ch (the window xx[t .. t + K-1])."""
+        taps = [self.xx(t + j, ch) * weight_at(self.w_dtype, self.w, ch, j, self.width) for j in range(self.width)]
+        conv = kb.let("conv", functools.reduce(lambda a, b: a + b, taps))
+        return conv * call_function(SIGMOID, conv)
+
+    def key_channels(self, kb: KernelSpec):
+        """Loop over this work-item's share i of the 2·dk q and k channels of its k head."""
+        return kb.loop("i", kb.lid(0), 2 * self.dk, kb.local[0])
+
+    def qk_channel(self, kh: K, i: K) -> K:
+        """The channel of q (i < dk) or k (i - dk) element i of k head kh."""
+        kd = self.key_heads * self.dk
+        return kh * self.dk + i + select(i < self.dk, 0, kd - self.dk)
+
+    def v_channel(self, h: K, c: K) -> K:
+        return 2 * self.key_heads * self.dk + h * self.dv + c
+
+    def write(self, kb: KernelSpec, ch: K) -> None:
+        """Channel ch of the state after each row (when emitted), then of the new state:
+        xx rows t+1 .. t+K-1, and T .. T+K-2 (rows of the old state are read before row
+        e is overwritten: e < T + e)."""
+        k1, c, rows = self.width - 1, self.channels, self.states.rows
+        if rows is not None:
+            with kb.loop("t", 0, self.T) as t, kb.loop("e", 0, k1) as e:
+                rows[(cast(I64, t) * k1 + e) * c + ch] = self.xx(t + 1 + e, ch)
+        with kb.loop("e", 0, k1) as e:
+            self.states.new[e * c + ch] = self.xx(self.T + e, ch)
+
+    def write_key_head(self, kb: KernelSpec, kh: K) -> None:
+        with self.key_channels(kb) as i:
+            self.write(kb, kb.let("ch", self.qk_channel(kh, i)))
+
+
+def _sum_squares(kb: KernelSpec, arr: Array, start: int, n: int, name: str) -> K:
+    """Σ arr[start .. start+n)², CPU_COLS lanes wide where n allows (independent partial sums)."""
+    lanes = CPU_COLS if n % CPU_COLS == 0 else 1
+    acc = kb.let(name, cast(F32.vec(lanes), 0.0))
+    with kb.loop("e", 0, n // lanes) as e:
+        v = kb.let(f"{name}v", arr.vec(start + e * lanes, lanes) if lanes > 1 else arr[start + e])
+        kb.set(acc, acc + v * v)
+    return vsum(acc) if lanes > 1 else acc
+
+
+def conv_reads(kb: KernelSpec, conv: Conv, gates: Callable[[K, K], tuple[K, K]], eps: float) -> Reads:
+    """A fused_gated_deltanet token: the work-group convolves its k head's q and k channels
+    into work-group memory, then every work-item takes their L2 norms from there; v is
+    convolved where it is read, by the work-item owning the column. (The next token
+    overwrites q and k only after the barriers of this token's output norm.)"""
+    dk = conv.dk
+    qk = kb.array("qk", F32, 2 * dk, "local")
+
+    def token(t: K, h: K, kh: K) -> Token:
+        with conv.key_channels(kb) as i:
+            qk[i] = conv.silu(kb, t, kb.let("ch", conv.qk_channel(kh, i)))
+        kb.barrier()
+        qn = kb.let("qn", 1.0 / call("sqrt", _sum_squares(kb, qk, 0, dk, "qss") + eps))
+        kn = kb.let("kn", 1.0 / call("sqrt", _sum_squares(kb, qk, dk, dk, "kss") + eps))
+        return Token(lambda e: qk[e] * qn, lambda e: qk[e + dk] * kn,
+                     lambda c: conv.silu(kb, t, conv.v_channel(h, c)), *gates(t, h))
+    return Reads(conv.key_heads, token, shared=True)
+
+
+@dataclass(frozen=True)
+class NormGate:
+    """A fused_gated_deltanet's output: each v head's output row y RMS-normalised with
+    norm_w, times silu(z), in rmsnorm's and the gate's order: ((y · r) · w) · silu(z). The
+    row's sum of squares is reduced in work-group memory over the head's `seg` work-items
+    (the work-group holds every v head of a k head, `whole` when that is one v head)."""
+
+    red: Array
+    z: Buffer
+    w: Buffer
+    w_dtype: DType
+    hv: int
+    dv: int
+    eps: float
+    seg: int
+    whole: bool
+
+    def factor(self, kb: KernelSpec, lid: K, p: K, partial: K) -> K:
+        """r = 1 / sqrt(mean of squares + eps) of the v head of work-item lid (place p in
+        its head), from every work-item's `partial` sum of squares."""
+        red, seg = self.red, self.seg
+        red[lid] = partial
+        if self.whole and seg & (seg - 1) == 0:
+            kb.wg_reduce(red, seg, "sum")
+            total = red[0]
+        else:  # wg_reduce's tree within each v head's run of work-items, of any length
+            kb.barrier()
+            with kb.loop("s", _pow2(seg) // 2, cond=lambda s: s > 0, next=lambda s: s >> 1) as s:
+                with kb.if_((p < s) & (p + s < seg)):
+                    red[lid] = red[lid] + red[lid + s]
+                kb.barrier()
+            total = red[lid - p]
+        return kb.let("rn", 1.0 / call("sqrt", total / self.dv + self.eps))
+
+    def apply(self, kb: KernelSpec, scaled: K, t: K, h: K, c: K) -> K:
+        """The output at value column c from y · r."""
+        gate = kb.let("zg", self.z[(cast(I64, t) * self.hv + h) * self.dv + c])
+        return scaled * weight_at(self.w_dtype, self.w, const(0), c, self.dv) * (gate * call_function(SIGMOID, gate))
 
 
 @dataclass(frozen=True)
 class DeltaRule:
     """One gated delta rule node as both schedules see it: T rows, the DK x DV state of each
     of hv v heads, how a v head finds its k head, q's scale, where token t's inputs are
-    read, and the output and state buffers."""
+    read, and the output and state buffers. A fused_gated_deltanet node adds `seg` (a
+    work-group per k head holding its v heads, seg work-items each), the output norm and
+    gate, and the conv whose states it writes."""
 
     T: K
     DK: K
@@ -163,10 +312,21 @@ class DeltaRule:
     scale: float
     reads: Reads
     states: StateBuffers
+    seg: int = 0
+    norm: NormGate | None = None
+    conv: Conv | None = None
 
     def key_head(self, h: K) -> K:
         hk = self.reads.key_heads
         return h % hk if self.tiled else h / (self.hv // hk)
+
+    def group_heads(self, kb: KernelSpec, lid: K) -> tuple[K, K, K]:
+        """(k head, v head, place in the v head) of work-item lid of a k head's work-group."""
+        hk = self.reads.key_heads
+        kh = kb.let("kh", kb.gid(0))
+        sub = lid / self.seg
+        h = kb.let("h", kh + sub * hk if self.tiled else kh * (self.hv // hk) + sub)
+        return kh, h, kb.let("p", lid % self.seg)
 
     def state_row(self, h: K, e: K) -> K:
         """Offset of row e of v head h's state."""
@@ -205,16 +365,86 @@ def gated_delta_rule(ctx: NodeCtx) -> None:
         kb.launch([hv, cdiv(rule.DV, L)])
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@lowers("fused_gated_deltanet")
+def gated_deltanet(ctx: NodeCtx) -> None:
+    """A Gated DeltaNet layer between its projections in one kernel: a work-group per k head
+    holds all the v heads reading it, so the k head's q and k channels are convolved once
+    and each conv channel, whose state the kernel shifts, is read by one work-group only
+    (the state is then updated in place whenever nothing else reads it, as the recurrent
+    state is). Per token: conv + SiLU of the k head's q and k into work-group memory,
+    their L2 norms, the recurrence of each v head (the schedules of gated_delta_rule: CPU
+    where the value dim splits into CPU_COLS-wide groups, a work-item per value column
+    otherwise), then the head's RMSNorm, reduced over its work-items, and the silu(z)
+    gate. A k head whose v heads would not fit a work-group is lowered as the parts."""
+    x, conv_w, conv_state, gate_a, gate_b, dt_bias, ssm_a, state, z, norm_w = ctx.ins
+    y, conv_new, new_state, *rows = ctx.outs
+    conv_rows, state_rows = rows or (None, None)
+    t, hv, dv = y.type.shape
+    dk = state.type.shape[1]
+    hk = ctx.attr["key_heads"]
+    per = hv // hk
+    cpu = ctx.profile == "cpu" and dv % CPU_COLS == 0
+    seg = dv // CPU_COLS if cpu else dv  # work-items per v head: none idle (PoCL ran guarded stores of idle ones)
+    if per * seg > MAX_GROUP:
+        gated_deltanet_parts(ctx)
+        return
+    kb = ctx.kernel(ctx.node.op, local=(per * seg,))
+    xb, wb, ab, bb, dtb, sab, zb, nwb = (kb.bind(name, v) for name, v in (
+        ("x", x), ("conv_w", conv_w), ("gate_a", gate_a), ("gate_b", gate_b), ("dt_bias", dt_bias), ("ssm_a", ssm_a),
+        ("z", z), ("norm_w", norm_w)))
+    conv = Conv(xb, wb, conv_w.type.dtype, conv_w.type.shape[1], x.type.shape[1], hk, dk, dv, dim(t),
+                _bind_state(ctx, kb, conv_state, conv_new, conv_rows, prefix="conv_"))
+    states = _bind_state(ctx, kb, state, new_state, state_rows, out=("o", y))
+    reads = conv_reads(kb, conv, lambda t_, h: _gates(ab, bb, dtb, sab, hv, t_, h), float(ctx.attr["eps"]))
+    norm = NormGate(kb.array("red", F32, per * seg, "local"), zb, nwb, norm_w.type.dtype, hv, dv,
+                    float(ctx.attr["norm_eps"]), seg, per == 1)
+    rule = DeltaRule(dim(t), dim(dk), dim(dv), hv, ctx.attr.get("head_map", "tiled") == "tiled",
+                     float(ctx.attr["scale"]), reads, states, seg, norm, conv)
+    if cpu:
+        _cpu_body(kb, rule)
+    else:
+        _gpu_body(kb, rule, dk, per * seg)
+    kb.launch([hk])
+
+
+def gated_deltanet_parts(ctx: NodeCtxBase) -> None:
+    """fused_gated_deltanet as its parts' kernels (its reference's composition): the conv with
+    SiLU, fused_gated_delta_rule, rmsnorm and the gate. Written against `ctx.sub` alone, so
+    the TVM lowering registers it too."""
+    x, conv_w, conv_state, gate_a, gate_b, dt_bias, ssm_a, state, z, norm_w = ctx.ins
+    y, conv_new, new_state, *rows = ctx.outs
+    a = ctx.attr
+    emit = a.get("emit_row_states", False)
+    mixed = ctx.sub("causal_conv1d", x, conv_w, conv_state, outputs=[ctx.temp(x.type), conv_new, *rows[:1]],
+                    emit_row_states=emit, activation="silu")[0]
+    rule = {n: a[n] for n in ("key_heads", "eps", "scale", "head_map", "chunk_size", "emit_row_states") if n in a}
+    o = ctx.sub("fused_gated_delta_rule", mixed, gate_a, gate_b, dt_bias, ssm_a, state,
+                outputs=[ctx.temp(y.type), new_state, *rows[1:]], **rule)[0]
+    ctx.sub("mul", ctx.sub("rmsnorm", o, norm_w, eps=a["norm_eps"]), ctx.sub("silu", z), outputs=[y])
+
+
 def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
     """A thread per state column (v head h, value dim col) keeps S[:, col] in registers and
     walks the rows in order, so every reduction over the key dim stays inside the thread;
-    the work-group shares each row's q and k through local memory."""
+    the work-group shares each row's q and k through local memory (a fused_gated_deltanet
+    token leaves them there itself, and its work-group holds whole v heads, so their
+    output norms are reduced inside it)."""
     T, DK, DV, states = rule.T, rule.DK, rule.DV, rule.states
-    h, lid = kb.let("h", kb.gid(0)), kb.let("lid", kb.lid(0))
-    col = kb.let("col", kb.gid(1) * L + lid)
-    kh = kb.let("kh", rule.key_head(h))
+    if rule.seg:
+        lid = kb.let("lid", kb.lid(0))
+        kh, h, col = rule.group_heads(kb, lid)
+    else:
+        h, lid = kb.let("h", kb.gid(0)), kb.let("lid", kb.lid(0))
+        col = kb.let("col", kb.gid(1) * L + lid)
+        kh = kb.let("kh", rule.key_head(h))
     live = kb.let("live", col < DV)
-    qs, ks = kb.array("qs", F32, dk, "local"), kb.array("ks", F32, dk, "local")
+    shared = rule.reads.shared
+    if not shared:
+        qs, ks = kb.array("qs", F32, dk, "local"), kb.array("ks", F32, dk, "local")
     S = kb.array("S", F32, dk)
 
     def cell(e: K) -> K:
@@ -224,27 +454,38 @@ def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
         S[e] = select(live, states.old[cell(e)], 0.0)
     with kb.loop("t", 0, T) as t:
         token = rule.reads.token(t, h, kh)
-        kb.barrier()
-        with kb.loop("e", lid, DK, L) as e:
-            qs[e] = token.q(e) * rule.scale
-            ks[e] = token.k(e)
-        kb.barrier()
+        if shared:
+            q_at, k_at = (lambda e: token.q(e) * rule.scale), token.k
+        else:
+            kb.barrier()
+            with kb.loop("e", lid, DK, L) as e:
+                qs[e] = token.q(e) * rule.scale
+                ks[e] = token.k(e)
+            kb.barrier()
+            q_at, k_at = qs.__getitem__, ks.__getitem__
         decay, b = kb.let("decay", token.decay), kb.let("b", token.beta)
         sk, y = kb.let("sk", 0.0), kb.let("y", 0.0)
         with kb.loop("e", 0, DK) as e:
             S[e] = S[e] * decay
-            kb.set(sk, sk + S[e] * ks[e])
+            kb.set(sk, sk + S[e] * k_at(e))
+        # (a conv's v statements run on every thread: a fused_gated_deltanet's threads are all live)
         delta = kb.let("delta", b * (select(live, token.v(col), 0.0) - sk))
         with kb.loop("e", 0, DK) as e:
-            S[e] = S[e] + ks[e] * delta
-            kb.set(y, y + S[e] * qs[e])
+            S[e] = S[e] + k_at(e) * delta
+            kb.set(y, y + S[e] * q_at(e))
+        if rule.norm is not None:
+            r = rule.norm.factor(kb, lid, col, y * y)  # a v head's threads are all live
         with kb.if_(live):
-            states.out[rule.out_row(t, h) + col] = y
+            states.out[rule.out_row(t, h) + col] = y if rule.norm is None else rule.norm.apply(kb, y * r, t, h, col)
             if states.rows is not None:
                 with kb.loop("e", 0, DK) as e:
                     states.rows[rule.row_states_at(t) + cell(e)] = S[e]
     with kb.if_(live), kb.loop("e", 0, DK) as e:
         states.new[cell(e)] = S[e]
+    if rule.conv is not None:
+        rule.conv.write_key_head(kb, kh)
+        with kb.if_(live):
+            rule.conv.write(kb, rule.conv.v_channel(h, col))
 
 
 def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
@@ -253,10 +494,17 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
     but CPU_COLS-wide sums: the inner loops over contiguous columns become vector loads and
     FMAs, where a thread holding a whole column does not vectorise. Row 0 reads the old
     state (new_state itself in place); later rows read the rows the previous token wrote
-    to new_state."""
+    to new_state. In a fused_gated_deltanet kernel the work-items of a k head's v heads
+    share a work-group: a token starts with the conv of the k head's q and k and ends with
+    each head's output norm, both through work-group memory."""
     T, DK, states = rule.T, rule.DK, rule.states
-    h, c0 = kb.let("h", kb.gid(0)), kb.let("c0", kb.lid(0) * CPU_COLS)
-    kh = kb.let("kh", rule.key_head(h))
+    if rule.seg:
+        lid = kb.let("lid", kb.lid(0))
+        kh, h, p = rule.group_heads(kb, lid)
+        c0 = kb.let("c0", p * CPU_COLS)
+    else:
+        h, c0 = kb.let("h", kb.gid(0)), kb.let("c0", kb.lid(0) * CPU_COLS)
+        kh = kb.let("kh", rule.key_head(h))
     sk, y, delta = (kb.array(name, F32, CPU_COLS) for name in ("sk", "y", "delta"))
 
     def columns():
@@ -284,8 +532,13 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
                 states.new[r + j] = s
                 if states.rows is not None:
                     states.rows[rule.row_states_at(t) + r + j] = s
+        if rule.norm is None:
+            with columns() as j:
+                states.out[rule.out_row(t, h) + c0 + j] = y[j]
+            return
+        rn = rule.norm.factor(kb, lid, p, vsum(y.vec(0, CPU_COLS) * y.vec(0, CPU_COLS)))
         with columns() as j:
-            states.out[rule.out_row(t, h) + c0 + j] = y[j]
+            states.out[rule.out_row(t, h) + c0 + j] = rule.norm.apply(kb, y[j] * rn, t, h, c0 + j)
 
     if not states.in_place:  # no token runs when T is 0: the new state is the old one
         with kb.if_(T.eq(0)), kb.loop("e", 0, DK) as e:
@@ -296,3 +549,7 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
         token(t, states.old)
     with kb.loop("t", 1, T) as t:
         token(t, states.new)
+    if rule.conv is not None:
+        rule.conv.write_key_head(kb, kh)
+        with columns() as j:
+            rule.conv.write(kb, rule.conv.v_channel(h, c0 + j))

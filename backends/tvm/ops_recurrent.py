@@ -4,13 +4,15 @@ rope: one element per block point; the f32 inverse frequency is computed in the 
 the reference rounds it (f32 exponent, f64 power, f32 result) and cos/sin are taken in f64
 of the f32 angle, as the reference does. causal_conv1d: a reduction block for y and copies
 for the new (and per-row) states. gated_delta_rule: one sequential point per state column
-(v head, value dim) keeping S[:, col] in local memory while it walks the rows."""
+(v head, value dim) keeping S[:, col] in local memory while it walks the rows. The fused
+gated delta rule and the fused layer (fused_gated_deltanet) as their parts' kernels."""
 from __future__ import annotations
 
 import numpy as np
 
 from dflash_ir.ops.position import frequency_components
 
+from ..kernels.recurrent import gated_deltanet_parts
 from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, f32, weight_at
 
@@ -134,3 +136,6 @@ def fused_gated_delta_rule(ctx: TVMNodeCtx) -> None:
     rule = {n: ctx.attr[n] for n in ("scale", "head_map", "chunk_size", "emit_row_states") if n in ctx.attr}
     ctx.sub("gated_delta_rule", q, k, part(2 * kd, mixed.type.shape[1], hv, dv), g, ctx.sub("sigmoid", b), state,
             outputs=ctx.outs, **rule)
+
+
+lowers("fused_gated_deltanet")(gated_deltanet_parts)

@@ -14,7 +14,7 @@ from .attention import attention, kv_write
 from .elementwise import sigmoid_f32
 from .linalg import as_f32, expert_matmul, matmul
 from .position import rope
-from .recurrent import gated_delta_rule
+from .recurrent import causal_conv1d, gated_delta_rule
 from .reduce import l2norm, rmsnorm, softmax, sum_, topk
 from .registry import get_op
 from .rules import (
@@ -121,6 +121,36 @@ def fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps
     g = _reference("mul", _reference("softplus", _reference("add", a, dt_bias)), ssm_a)
     return gated_delta_rule(q, k, v, g, _reference("sigmoid", b), state, scale=scale, head_map=head_map,
                             chunk_size=chunk_size, emit_row_states=emit_row_states)
+
+
+def _fused_gdn_layer_rule(x, conv_w, conv_state, a, b, dt_bias, ssm_a, state, z, norm_w, *, key_heads, eps, norm_eps,
+                          scale, head_map, chunk_size, emit_row_states):
+    mixed, conv_new, *conv_rows = _infer("causal_conv1d", x, conv_w, conv_state, emit_row_states=emit_row_states,
+                                         activation="silu")
+    o, new, *rows = _infer("fused_gated_delta_rule", mixed, a, b, dt_bias, ssm_a, state, key_heads=key_heads, eps=eps,
+                           scale=scale, head_map=head_map, chunk_size=chunk_size, emit_row_states=emit_row_states)
+    (normed,) = _infer("rmsnorm", o, norm_w, eps=norm_eps)
+    expect_rank("z", z, 3)
+    for axis, what in enumerate(("rows", "heads", "dim")):  # the gate multiplies elementwise: no broadcasting
+        expect_same(f"z {what}", z.shape[axis], f"output {what}", o.shape[axis], (z, o))
+    (y,) = _infer("mul", normed, *_infer("silu", z))
+    return (y, conv_new, new, *conv_rows, *rows)
+
+
+@defop("fused_gated_deltanet", _fused_gdn_layer_rule)
+def fused_gated_deltanet(x, conv_w, conv_state, a, b, dt_bias, ssm_a, state, z, norm_w, *, key_heads, eps, norm_eps,
+                         scale, head_map="tiled", chunk_size=0, emit_row_states=False):
+    """A Gated DeltaNet layer between its input projections and its out projection: the
+    causal conv of x with SiLU (conv_w, conv_state), fused_gated_delta_rule on its output,
+    then each v head's output row RMS-normalised with norm_w (norm_eps) times silu(z).
+    Returns (y, conv_state', state'[, conv states after each row, states after each row])."""
+    mixed, conv_new, *conv_rows = causal_conv1d(x, conv_w, conv_state, emit_row_states=emit_row_states,
+                                                activation="silu")
+    o, new, *rows = fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, key_heads=key_heads, eps=eps,
+                                           scale=scale, head_map=head_map, chunk_size=chunk_size,
+                                           emit_row_states=emit_row_states)
+    y = _reference("mul", rmsnorm(o, norm_w, eps=norm_eps), _reference("silu", z))
+    return (y, conv_new, new, *conv_rows, *rows)
 
 
 def _reference(op: str, *arrays: np.ndarray) -> np.ndarray:

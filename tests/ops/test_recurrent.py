@@ -210,6 +210,43 @@ def test_fused_rule_checks_the_channel_split():
         types("fused_gated_delta_rule", *args[:3], "f32[3]", *args[4:], key_heads=2, eps=1e-6, scale=0.3)
 
 
+LAYER = ["f32[T,52]", "f32[52,4]", "f32[3,52]", "f32[T,4]", "f32[T,4]", "f32[4]", "f32[4]", "f32[4,8,5]", "f32[T,4,5]",
+         "f32[5]"]
+
+
+@pytest.mark.parametrize("emit", [False, True])
+def test_layer_op_is_the_conv_the_fused_rule_and_the_gated_norm(emit):
+    """fused_gated_deltanet from the conv input: its outputs are those of causal_conv1d (SiLU),
+    fused_gated_delta_rule on that, and rmsnorm times silu(z), bit for bit."""
+    T, Hk, Hv, dk, dv = 3, 2, 4, 8, 5
+    x = rng.standard_normal((T, 2 * Hk * dk + Hv * dv)).astype(F)
+    w, conv_state = rng.standard_normal((x.shape[1], 4)).astype(F), rng.standard_normal((3, x.shape[1])).astype(F)
+    a, b = rng.standard_normal((T, Hv)).astype(F), rng.standard_normal((T, Hv)).astype(F)
+    dt_bias, ssm_a = rng.standard_normal(Hv).astype(F), -np.exp(rng.standard_normal(Hv)).astype(F)
+    state, z = (0.3 * rng.standard_normal((Hv, dk, dv))).astype(F), rng.standard_normal((T, Hv, dv)).astype(F)
+    norm_w = rng.standard_normal(dv).astype(F)
+    rule = dict(key_heads=Hk, eps=1e-6, scale=0.3, head_map="grouped", emit_row_states=emit)
+    got = run("fused_gated_deltanet", x, w, conv_state, a, b, dt_bias, ssm_a, state, z, norm_w, norm_eps=1e-5, **rule)
+    mixed, conv_new, *conv_rows = run("causal_conv1d", x, w, conv_state, emit_row_states=emit, activation="silu")
+    o, new, *rows = run("fused_gated_delta_rule", mixed, a, b, dt_bias, ssm_a, state, **rule)
+    y = run("mul", run("rmsnorm", o, norm_w, eps=1e-5)[0], run("silu", z)[0])[0]
+    assert len(got) == 5 if emit else len(got) == 3
+    for have, want in zip(got, (y, conv_new, new, *conv_rows, *rows)):
+        np.testing.assert_array_equal(have, want)
+
+
+def test_layer_rule_checks_the_gate_and_the_norm():
+    assert types("fused_gated_deltanet", *LAYER, key_heads=2, eps=1e-6, norm_eps=1e-6, scale=0.3,
+                 emit_row_states=True) == ["f32[T,4,5]", "f32[3,52]", "f32[4,8,5]", "f32[T,3,52]", "f32[T,4,8,5]"]
+    attrs = dict(key_heads=2, eps=1e-6, norm_eps=1e-6, scale=0.3)
+    with pytest.raises(OpError, match=r"z heads \(1\) != output heads \(4\)"):
+        types("fused_gated_deltanet", *LAYER[:8], "f32[T,1,5]", LAYER[9], **attrs)
+    with pytest.raises(OpError, match=r"w size \(4\) != x last dim \(5\)"):
+        types("fused_gated_deltanet", *LAYER[:9], "f32[4]", **attrs)
+    with pytest.raises(OpError, match=r"mixed channels \(52\) != 2 \* key_heads"):
+        types("fused_gated_deltanet", *LAYER, **{**attrs, "key_heads": 1})
+
+
 def test_gdn_rule():
     args = ("f32[T,16,128]", "f32[T,16,128]", "f32[T,32,128]", "f32[T,32]", "f32[T,32]", "f32[32,128,128]")
     assert types("gated_delta_rule", *args, scale=128 ** -0.5) == ["f32[T,32,128]", "f32[32,128,128]"]

@@ -5,7 +5,8 @@ One builder serves every call shape the runtime needs:
 - verify:  T rows on top of existing state, recurrent form, emitting per-row conv and
            recurrent states so the speculative loop can roll back to any row;
 - decode:  one row.
-Each returns logits for the rows listed in `logit_rows` and their argmax ids (`greedy`), the
+Each returns logits for the rows listed in `logit_rows` (decode: for its one row, without
+a gather) and their argmax ids (`greedy`), the
 concatenated residual-stream outputs of the tap layers (DFlash features), and updates the
 explicit state: a fixed-capacity KV cache per attention layer (rows >= kv_len are ignored,
 so rolling back attention is just a shorter kv_len), and conv + recurrent state per Gated
@@ -81,7 +82,7 @@ class Qwen35Builder:
         positions = b.input("positions", DType.I32, (T,))
         pos = b.input("pos", DType.I32, ())
         kv_len = b.input("kv_len", DType.I32, ())
-        logit_rows = b.input("logit_rows", DType.I32, ("R",))
+        logit_rows = None if spec.kind == "decode" else b.input("logit_rows", DType.I32, ("R",))
 
         h = b.embedding(self._w(b, "token_embd.weight"), tokens, name="embd")
         features = []
@@ -99,7 +100,7 @@ class Qwen35Builder:
             if i in spec.taps:
                 features.append(h)
 
-        out = b.gather(h, logit_rows, axis=0, name="logit_rows")
+        out = h if logit_rows is None else b.gather(h, logit_rows, axis=0, name="logit_rows")
         out = b.rmsnorm(out, self._w(b, "output_norm.weight"), eps=cfg.rms_eps)
         head = "token_embd.weight" if cfg.tied_output else "output.weight"
         logits = self._linear(b, out, head)

@@ -79,4 +79,4 @@ def test_model_graphs(tiny_models, worst_relative, arch):
                                              for i in n.inputs) for n in out.nodes), name
         folded = [n for n in out.nodes if n.op == "matmul_q8_0" and len(n.inputs) == 3]
         assert len(folded) == len(residual_adds(g)) > 0 and not residual_adds(out), name
-        assert worst_relative(g, out, pair.weights) <= 1e-5, name
+        assert worst_relative(g, out, pair.weights) == 0.0, name

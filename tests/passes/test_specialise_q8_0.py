@@ -32,7 +32,7 @@ def test_every_dequantized_matmul_is_specialised(tiny_models, worst_relative, ar
             assert n.attr["layout"] == {"matmul_q8_0": "q8_0_rowmajor", "matmul_f16": "f16_rowmajor"}[n.op]
             assert n.attr["form"] == expected_form, (name, n)
         assert op in out.op_counts()
-        assert worst_relative(g, out, pair.weights) <= 1e-5, name
+        assert worst_relative(g, out, pair.weights) == 0.0, name
 
 
 def test_form_follows_rows_and_graph_kind():

@@ -1,10 +1,37 @@
 """Attention over a fixed-capacity KV cache, the cache write, and the fused attention layer.
 
-Attention: a work-group per (query row, q head) walks the visible keys in tiles of its
-thread count with an online softmax (running max and sum, flash-attention style): each
-thread scores one key of the tile, and owns a slice of the output dims it accumulates.
-The CPU profile gives the whole (row, head) to one work-item instead (`_cpu_schedule`).
-kv_len is read on the device, so one launch serves every cache fill.
+`attention` and `fused_attention` are one kernel each, made by one builder (`_Attention`)
+in one of two schedules:
+
+GPU: a work-group per (query row, q head) walks the visible keys in tiles of its thread
+count with an online softmax (running max and sum, flash-attention style): each thread
+scores one key of the tile, and owns a slice of the output dims it accumulates.
+
+CPU: a work-item per (kv head, tile of query rows x the q heads sharing that kv head)
+walks the keys the tile sees in chunks of KEY_CHUNK keys aligned to absolute positions, so
+K and V are read once per tile instead of once per (row, head). Per chunk it copies the
+chunk's key and value rows into contiguous private rows when several query blocks read
+them (cache rows a kv-head stride apart share cache sets), scores every (query, key) pair
+of the tile into a private block, Q_BLOCK queries x K_BLOCK keys at a time (each a
+LANES-wide partial sum of FMAs, its lanes summed pairwise), then each row takes its own
+visible keys of the chunk (the block's causal mask, the window) into its heads' online
+softmax: the rescale, the exponentials, and the weighted value rows, one value load
+feeding the row's heads. A query's arithmetic (the chunks, the dot-product lanes, the
+rescale and accumulation order) does not depend on which queries share its tile or where
+its rows were read from, so a row's output is bit-identical alone (a decode) and in a
+verify block. Without vectors (lavapipe) the same walk goes one scalar at a time over
+smaller tiles (`_CpuTile`).
+
+`fused_attention` is the same kernel with the layer around it: each query normalises
+(q_norm) and ropes its own q row (the rope op's tables, from dflash_ir/ops/position.py);
+keys and values of rows [pos, pos + T) are read from the k and v projections (k normalised
+and roped on the fly by the code that writes it, so a key read there equals the key a
+later call reads from the cache), every other row from the caches; with `persist` the new
+K and V rows are written into the caches, by one writer per (row, kv head): the work-group
+of the kv head's first q head (GPU), the tile holding the row (CPU). No work-item reads a
+cache row this launch writes, so nothing waits for another launch; with the gate, the
+output row is multiplied by sigmoid(gate). kv_len is read on the device, so one launch
+serves every cache fill.
 """
 from __future__ import annotations
 
@@ -12,18 +39,35 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dflash_ir.ir import Value
+from dflash_ir.ops.position import frequency_components, inv_freq_f32
 from dflash_ir.types import Dim
 
-from ..kir import F32, I64, K, call, cast, maximum, minimum, select, var
-from ..kir.build import Buffer
-from ..lowering import KernelSpec, NodeCtx, attention_epilogue, attention_prologue, dim, lowers
-from .access import read, write
-from .shapes import FLAT, cdiv, flat_index, flat_launch, prod
+from ..kir import F32, I32, I64, K, call, call_function, cast, const, maximum, minimum, select, vsum
+from ..kir.build import Array, Buffer
+from ..lowering import KernelSpec, NodeCtx, dim, lowers
+from .access import SIGMOID, read, weight_at, write
+from .shapes import FLAT, cdiv, flat_index, prod
 
-THREADS = 64
-KEY_CHUNK = 32   # CPU schedule: keys scored between two rescales of the output row
-LANES = 8        # CPU schedule: partial sums of a q.k dot product
+THREADS = 64         # GPU: threads of a (row, head) work-group
+KEY_CHUNK = 32       # CPU: keys scored between two rescales of a query's output row
+LANES = 16           # CPU: widest partial sum of a dot product, widest vector of an output row
+Q_BLOCK = 4          # CPU: queries scored together (one key load feeds Q_BLOCK dot products)
+K_BLOCK = 2          # CPU: keys scored together (one q load feeds K_BLOCK dot products)
+V_BLOCK = 8          # CPU: output vectors accumulated together (queries x vectors: independent FMA chains)
+TILE_ROWS = 16       # CPU: most query rows per work-item (a verify block)
+TILE_BYTES = 128 * 1024  # CPU: most bytes of q rows and output rows a work-item holds
+NARROW_BYTES = 8 * 1024  # CPU without vectors (lavapipe): most bytes of a work-item's arrays
 NEG_INF = float("-inf")
+
+
+def _lanes(n: Dim, most: int = LANES) -> int:
+    """The widest vector (a power of two up to `most`) that divides n; 1 for a symbol."""
+    if not isinstance(n, int):
+        return 1
+    lanes = most
+    while n % lanes:
+        lanes //= 2
+    return lanes
 
 
 def _head_start(row: K, heads: int, head: K, width: Dim) -> K:
@@ -31,220 +75,557 @@ def _head_start(row: K, heads: int, head: K, width: Dim) -> K:
     return (cast(I64, row) * heads + head) * dim(width)
 
 
-@dataclass(frozen=True)
-class _Cache:
-    """The key and value rows of kv head `kh` as a kernel reads them: the cache's rows, or,
-    with `new`, rows [p0, p0 + count) read from the new rows instead, so attention sees
-    kv_write(cache, new, p0) without the cache being written."""
-
-    k: Buffer
-    v: Buffer
-    heads: int
-    kh: K
-    d: Dim
-    dv: Dim
-    new: tuple[Buffer, Buffer, K, K] | None = None  # k rows, v rows, p0, their count
-
-    def key(self, kb: KernelSpec, j: K) -> Callable[[K], K]:
-        """Declares where key j's row starts; returns element e of that row."""
-        if self.new is None:
-            kr = kb.let("kr", self._start(j, self.d))
-            return lambda e: self.k[kr + e]
-        kn, _, p0, count = self.new
-        fresh = kb.let("fresh", (j >= p0) & (j < p0 + count))
-        kr = kb.let("kr", self._start(select(fresh, j - p0, j), self.d))
-        return lambda e: select(fresh, kn[kr + e], self.k[kr + e])
-
-    def value(self, r: K, c: K) -> K:
-        """Element c of value row r."""
-        cached = self.v[self._start(r, self.dv) + c]
-        if self.new is None:
-            return cached
-        _, vn, p0, count = self.new
-        return select((r >= p0) & (r < p0 + count), vn[self._start(r - p0, self.dv) + c], cached)
-
-    def _start(self, r: K, width: Dim) -> K:
-        return _head_start(r, self.heads, self.kh, width)
+def _segments(a: K, b: K, new: tuple[K, K] | None, body: Callable[[K, K, bool], None]) -> None:
+    """body(j0, j1, fresh) over the runs of keys [a, b): cache rows below the new rows, the
+    new rows [p0, p1) (fresh), cache rows past them. Each run is a loop of its own, so the
+    inner loops never test where a key lives."""
+    if new is None:
+        body(a, b, False)
+        return
+    p0, p1 = new
+    body(a, minimum(b, p0), False)
+    body(maximum(a, p0), minimum(b, p1), True)
+    body(maximum(a, p1), b, False)
 
 
-@dataclass(frozen=True)
-class _Query:
-    """What both schedules attend with: query row `row`, q head `h` of `heads`, over keys
-    [lo, hi) of `cache`, the output row written to `out`."""
+class _Rope:
+    """The rope op's rotation inside a kernel: its f32 inverse frequencies and the position
+    component of each frequency, computed by the op's own helpers and baked in as tables."""
 
-    q: Buffer
-    out: Buffer
-    row: K
-    h: K
-    heads: int
-    lo: K
-    hi: K
-    cache: _Cache
-    scale: float
+    def __init__(self, kb: KernelSpec, attr: dict, positions: Buffer, pos_value: Value):
+        self.n_rot = attr["n_rot"]
+        self.half = self.n_rot // 2
+        inv_freq = inv_freq_f32(self.n_rot, attr["theta"])
+        comps = frequency_components(self.half, tuple(attr.get("sections", ())), attr.get("interleaved", False))
+        self.positions = positions
+        self.freq = kb.array("inv_freq", F32, self.half, init=[float(f) for f in inv_freq])
+        ranked = pos_value.type.rank == 2
+        self.comp = kb.array("comp", I32, self.half, init=[int(c) for c in comps]) if ranked else None
+        self.width = pos_value.type.shape[1] if ranked else None
 
-    def q_start(self) -> K:
-        return _head_start(self.row, self.heads, self.h, self.cache.d)
+    def angle(self, row: K, i: K) -> K:
+        """f32(position of `row` for frequency i) * inv_freq[i], the reference's f32 product."""
+        position = self.positions[row * dim(self.width) + self.comp[i]] if self.comp is not None \
+            else self.positions[row]
+        return cast(F32, position) * self.freq[i]
 
-    def out_start(self) -> K:
-        return _head_start(self.row, self.heads, self.h, self.cache.dv)
-
-
-def attention_launch(ctx: NodeCtx, q: Value, k: Value, v: Value, kv_len: Value, out: Value, *, scale: float,
-                     causal: bool, window: int, new: tuple[Value, Value, Value] | None = None) -> None:
-    """With `new` = (k rows, v rows, pos), cache rows [pos, pos + rows) are read from the new
-    rows instead: attention over kv_write(cache, new, pos) without writing the cache."""
-    t, hq, d = q.type.shape
-    cap, hkv, _ = k.type.shape
-    dv = v.type.shape[2]
-    ctx.check("attention", kv_len, size=dim(cap), rows=dim(t), flags=("ordered",) if causal or window else ())
-    cpu = ctx.profile == "cpu"
-    kb = ctx.kernel("attention_rows" if cpu else "attention", local=(1,) if cpu else (THREADS,))
-    q_buf, k_buf, v_buf, kv_len_buf = (kb.bind(name, x) for name, x in zip(("q", "k", "v", "kv_len"),
-                                                                           (q, k, v, kv_len)))
-    new_bufs = [kb.bind(name, x) for name, x in zip(("kn", "vn", "pos"), new or ())]
-    out_buf = kb.bind("out", out, writes=True)
-    row, h = kb.let("row", kb.gid(0)), kb.let("h", kb.gid(1))
-    lid = None if cpu else kb.let("lid", kb.lid(0))
-    kh = kb.let("kh", h / (hq // hkv))
-    lo, hi = _visible_keys(kb, minimum(kv_len_buf[0], dim(cap)), dim(t), row, causal, window)
-    new_rows = None
-    if new:
-        kn, vn, pos = new_bufs
-        new_rows = (kn, vn, kb.let("p0", pos[0]), dim(new[0].type.shape[0]))
-    query = _Query(q_buf, out_buf, row, h, hq, lo, hi, _Cache(k_buf, v_buf, hkv, kh, d, dv, new_rows), scale)
-    if cpu:
-        _cpu_schedule(kb, query)
-    else:
-        _gpu_schedule(kb, query, lid)
-    kb.launch([dim(t), hq])
+    @staticmethod
+    def rotate(lo: K, hi: K, c: K, s: K) -> tuple[K, K]:
+        """The NeoX pair (i, i + n_rot/2) rotated by the angle whose cos and sin are c, s."""
+        return lo * c - hi * s, hi * c + lo * s
 
 
-def _visible_keys(kb: KernelSpec, kv_len: K, rows: K, row: K, causal: bool, window: int) -> tuple[K, K]:
-    """Keys [lo, hi) that query `row` sees, the `rows` queries being the last rows of the
-    first kv_len cache rows: up to its own position when causal, at most `window` back."""
-    n = kb.let("n", kv_len)
-    qpos = kb.let("qpos", n - rows + row) if causal or window else None
-    hi = kb.let("hi", minimum(n, qpos + 1) if causal else n)
-    lo = kb.let("lo", maximum(0, qpos - (window - 1)) if window else 0)
-    return lo, hi
+class _Projection:
+    """Rows [T, heads, width] of a q or k projection as the layer uses them: the first d of
+    each head rmsnorm'd with `norm` and roped at the row's position."""
+
+    def __init__(self, buf: Buffer, heads: int, width: Dim, d: Dim, norm: Buffer, norm_value: Value, eps: float,
+                 rope: _Rope):
+        self.buf, self.heads, self.width, self.d = buf, heads, width, d
+        self.norm, self.norm_dtype, self.eps, self.rope = norm, norm_value.type.dtype, eps, rope
+
+    def start(self, row: K, head: K) -> K:
+        return _head_start(row, self.heads, head, self.width)
+
+    def inv_rms(self, kb: KernelSpec, start: K, name: str) -> K:
+        """1 / sqrt(mean(x²) + eps) of the d values from `start`, as LANES-wide partial sums."""
+        d = self.d
+        lanes = _lanes(d)
+        ss = kb.let(f"{name}_ss", cast(F32.vec(lanes), 0.0))
+        with kb.loop(f"{name}_e", 0, dim(d), lanes) as e:
+            x = kb.let(f"{name}_x", self.buf.load(start + e, lanes=lanes))
+            kb.set(ss, call("fma", x, x, ss))
+        total = vsum(ss) if lanes > 1 else ss
+        mean = total / (float(d) if isinstance(d, int) else cast(F32, dim(d)))
+        return kb.let(f"{name}_r", 1.0 / call("sqrt", mean + float(self.eps)))
+
+    def normed(self, start: K, r: K, e: K) -> K:
+        """Element e of the rmsnorm'd row: the rmsnorm op's (x * r) * w."""
+        return (self.buf[start + e] * r) * weight_at(self.norm_dtype, self.norm, const(0), e, self.d)
+
+    def row(self, kb: KernelSpec, row: K, start: K, r: K, store: Callable[[K, K], None]) -> None:
+        """store(e, value) of every element of the normed, roped row (a cos and sin per
+        frequency): the CPU schedule's form."""
+        rope = self.rope
+        with kb.loop("i", 0, rope.half) as i:
+            angle = kb.let("angle", rope.angle(row, i))
+            c, s = kb.let("cs", call("cos", angle)), kb.let("sn", call("sin", angle))
+            lo, hi = kb.let("xlo", self.normed(start, r, i)), kb.let("xhi", self.normed(start, r, i + rope.half))
+            x, y = rope.rotate(lo, hi, c, s)
+            store(i, x)
+            store(i + rope.half, y)
+        if not (isinstance(self.d, int) and rope.n_rot == self.d):
+            with kb.loop("e", rope.n_rot, dim(self.d)) as e:
+                store(e, self.normed(start, r, e))
+
+    def element(self, kb: KernelSpec, row: K, start: K, r: K, e: K) -> K:
+        """Element e of the normed, roped row on its own (its frequency's cos and sin computed
+        for it): the GPU schedule's form, the same value as `row` gives."""
+        rope = self.rope
+        value = kb.declare("rv", F32)
+        with kb.if_(e < rope.n_rot):
+            i = kb.let("ri", select(e < rope.half, e, e - rope.half))
+            angle = kb.let("angle", rope.angle(row, i))
+            c, s = kb.let("cs", call("cos", angle)), kb.let("sn", call("sin", angle))
+            lo, hi = kb.let("xlo", self.normed(start, r, i)), kb.let("xhi", self.normed(start, r, i + rope.half))
+            x, y = rope.rotate(lo, hi, c, s)
+            kb.set(value, select(e < rope.half, x, y))
+        with kb.else_():
+            kb.set(value, self.normed(start, r, e))
+        return value
 
 
-def _gpu_schedule(kb: KernelSpec, query: _Query, lid: K) -> None:
-    """A work-group of THREADS per (row, head): each tile of keys is scored a key per
-    thread, its max and sum reduced in local memory, then each thread adds the tile's
-    weighted values to its output dims (lid, lid + THREADS, ...)."""
-    d, dv, L = query.cache.d, query.cache.dv, THREADS
-    per = -(-dv // L)
-    qs = kb.array("qs", F32, d, "local")
-    p = kb.array("p", F32, L, "local")
-    red = kb.array("red", F32, L, "local")
-    with kb.loop("e", lid, dim(d), L) as e:
-        qs[e] = query.q[query.q_start() + e]
-    m, l = kb.let("m", NEG_INF), kb.let("l", 0.0)
-    acc = kb.array("acc", F32, per)
-    with kb.loop("e", 0, per) as e:
-        acc[e] = 0.0
-    with kb.loop("base", query.lo, query.hi, L) as base:
-        j = kb.let("j", base + lid)
-        s = kb.let("s", NEG_INF)
-        kb.barrier()
-        with kb.if_(j < query.hi):
-            key = query.cache.key(kb, j)
-            qk = kb.let("qk", 0.0)
-            with kb.loop("e", 0, dim(d)) as e:
-                kb.set(qk, qk + qs[e] * key(e))
-            kb.set(s, qk * query.scale)
-        red[lid] = s
-        kb.wg_reduce(red, L, "max")
-        mt = kb.let("mt", maximum(m, red[0]))
-        pj = kb.let("pj", select(j < query.hi, call("exp", s - mt), 0.0))
-        kb.barrier()
-        p[lid] = pj
-        red[lid] = pj
-        kb.wg_reduce(red, L, "sum")
-        alpha = kb.let("alpha", call("exp", m - mt))
-        kb.set(l, l * alpha + red[0])
-        kb.set(m, mt)
-        count = kb.let("count", minimum(L, query.hi - base))
+class _Attention:
+    """One attention kernel: T query rows of H heads over the first kv_len rows of the
+    caches. With `layer` (fused_attention), q comes normalised and roped from the q
+    projection, rows [pos, pos + T) of K and V from the k and v projections (written into
+    the caches with `persist`), and the output is gated when q holds a gate."""
+
+    def __init__(self, kb: KernelSpec, *, q: Buffer, q_value: Value, k_cache: Buffer, v_cache: Buffer, cache: Value,
+                 dv: Dim, kv_len: Buffer, out: Buffer, scale: float, causal: bool, window: int):
+        self.kb = kb
+        self.T, self.H, self.q_width = q_value.type.shape
+        self.C, self.Hkv, self.D = cache.type.shape
+        self.DV, self.G = dv, self.H // self.Hkv
+        self.q, self.k_cache, self.v_cache, self.kv_len, self.out = q, k_cache, v_cache, kv_len, out
+        self.scale, self.causal, self.window = scale, causal, window
+        # fused_attention's layer (set by `layer`)
+        self.q_proj: _Projection | None = None
+        self.k_proj: _Projection | None = None
+        self.v: Buffer | None = None
+        self.p0: K | None = None
+        self.persist = self.gated = False
+
+    def layer(self, k: Buffer, v: Buffer, q_norm: Buffer, k_norm: Buffer, norm_values: tuple[Value, Value],
+              positions: Buffer, pos_value: Value, pos: Buffer, attr: dict) -> None:
+        kb = self.kb
+        rope = _Rope(kb, attr, positions, pos_value)
+        eps = float(attr["eps"])
+        self.q_proj = _Projection(self.q, self.H, self.q_width, self.D, q_norm, norm_values[0], eps, rope)
+        self.k_proj = _Projection(k, self.Hkv, self.D, self.D, k_norm, norm_values[1], eps, rope)
+        self.v = v
+        self.p0 = kb.let("p0", pos[0])
+        self.persist, self.gated = bool(attr.get("persist", True)), bool(attr.get("gated", False))
+
+    # -- shared pieces ----------------------------------------------------------------------
+    @property
+    def new_rows(self) -> tuple[K, K] | None:
+        """Keys [p0, p0 + T), read from the projections, when the layer is fused."""
+        return None if self.p0 is None else (self.p0, self.p0 + dim(self.T))
+
+    def visible(self, n: K, row: K) -> tuple[K, K]:
+        """Keys [lo, hi) that query `row` sees, the T queries being the last rows of the
+        first n cache rows: up to its own position when causal, at most `window` back."""
+        qpos = n - dim(self.T) + row
+        hi = minimum(n, qpos + 1) if self.causal else n
+        lo = maximum(0, qpos - (self.window - 1)) if self.window else const(0)
+        return lo, hi
+
+    def write_rows(self, row: K, kh: K, lid: K | None = None, threads: int = 1) -> None:
+        """Row `row`'s K (normed, roped) and V into cache row pos + row of kv head kh (the
+        rows past the capacity dropped; the host check reports the overflow first). With
+        `lid`, the work-group's threads share the elements."""
+        kb, k = self.kb, self.k_proj
+        at = kb.let("wat", self.p0 + row)
+        with kb.if_((self.p0 >= 0) & (at < dim(self.C))):
+            src = kb.let("wsrc", k.start(row, kh))
+            r = k.inv_rms(kb, src, "wk")
+            dst = kb.let("wdst", _head_start(at, self.Hkv, kh, self.D))
+            if lid is None:
+                k.row(kb, row, src, r, lambda e, x: self.k_cache.store(dst + e, x))
+            else:
+                with kb.loop("e", lid, dim(self.D), threads) as e:
+                    self.k_cache[dst + e] = k.element(kb, row, src, r, e)
+            vsrc, vdst = _head_start(row, self.Hkv, kh, self.DV), _head_start(at, self.Hkv, kh, self.DV)
+            with kb.loop("c", lid if lid is not None else 0, dim(self.DV), threads) as c:
+                self.v_cache[vdst + c] = self.v[vsrc + c]
+
+    def store_out(self, row: K, h: K, c: K, value: K) -> None:
+        """Output element (row, h, c): the attention value, times sigmoid(gate) when gated."""
+        if self.gated:
+            value = value * call_function(SIGMOID, self.q[_head_start(row, self.H, h, self.q_width) + dim(self.D) + c])
+        self.out[_head_start(row, self.H, h, self.DV) + c] = value
+
+    # -- GPU: a work-group per (row, head) ---------------------------------------------------
+    def gpu(self) -> None:
+        kb, L = self.kb, THREADS
+        d, dv = self.D, self.DV
+        per = -(-dv // L)
+        row, h, lid = kb.let("row", kb.gid(0)), kb.let("h", kb.gid(1)), kb.let("lid", kb.lid(0))
+        kh = kb.let("kh", h / self.G)
+        n = kb.let("n", minimum(self.kv_len[0], dim(self.C)))
+        lo, hi = (kb.let(name, x) for name, x in zip(("lo", "hi"), self.visible(n, row)))
+        qs = kb.array("qs", F32, d, "local")
+        p = kb.array("p", F32, L, "local")
+        red = kb.array("red", F32, L, "local")
+        if self.q_proj is None:
+            qstart = kb.let("qstart", _head_start(row, self.H, h, d))
+            with kb.loop("e", lid, dim(d), L) as e:
+                qs[e] = self.q[qstart + e]
+        else:
+            qstart = kb.let("qstart", self.q_proj.start(row, h))
+            r = self.q_proj.inv_rms(kb, qstart, "q")
+            with kb.loop("e", lid, dim(d), L) as e:
+                qs[e] = self.q_proj.element(kb, row, qstart, r, e)
+            if self.persist:
+                with kb.if_(h.eq(kh * self.G)):
+                    self.write_rows(row, kh, lid, L)
+        m, l = kb.let("m", NEG_INF), kb.let("l", 0.0)
+        acc = kb.array("acc", F32, per)
+        with kb.loop("e", 0, per) as e:
+            acc[e] = 0.0
+        with kb.loop("base", lo, hi, L) as base:
+            j = kb.let("j", base + lid)
+            s = kb.let("s", NEG_INF)
+            kb.barrier()
+            with kb.if_(j < hi):
+                self._gpu_score(j, kh, qs, s)
+            red[lid] = s
+            kb.wg_reduce(red, L, "max")
+            mt = kb.let("mt", maximum(m, red[0]))
+            pj = kb.let("pj", select(j < hi, call("exp", s - mt), 0.0))
+            kb.barrier()
+            p[lid] = pj
+            red[lid] = pj
+            kb.wg_reduce(red, L, "sum")
+            alpha = kb.let("alpha", call("exp", m - mt))
+            kb.set(l, l * alpha + red[0])
+            kb.set(m, mt)
+            count = kb.let("count", minimum(L, hi - base))
+            with kb.loop("e", 0, per) as e:
+                c = kb.let("c", lid + e * L)
+                acc_e = kb.let("a", acc[e] * alpha)
+                with kb.if_(c < dim(dv)):
+                    def add(j0: K, j1: K, fresh: bool) -> None:
+                        with kb.loop("r", j0, j1) as r:
+                            src = self.v if fresh else self.v_cache
+                            vrow = _head_start(r - self.p0 if fresh else r, self.Hkv, kh, dv)
+                            kb.set(acc_e, acc_e + p[r - base] * src[vrow + c])
+                    _segments(base, base + count, self.new_rows, add)
+                acc[e] = acc_e
         with kb.loop("e", 0, per) as e:
             c = kb.let("c", lid + e * L)
-            acc_e = kb.let("a", acc[e] * alpha)
             with kb.if_(c < dim(dv)):
-                with kb.loop("jj", 0, count) as jj:
-                    r = kb.let("r", base + jj)
-                    kb.set(acc_e, acc_e + p[jj] * query.cache.value(r, c))
-            acc[e] = acc_e
-    with kb.loop("e", 0, per) as e:
-        c = kb.let("c", lid + e * L)
-        with kb.if_(c < dim(dv)):
-            query.out[query.out_start() + c] = acc[e] / l
+                self.store_out(row, h, c, acc[e] / l)
 
+    def _gpu_score(self, j: K, kh: K, qs: Array, s: K) -> None:
+        """s = q . key j * scale, the key from the cache or, for a new row, normed and roped here."""
+        kb, d = self.kb, self.D
 
-def _cpu_schedule(kb: KernelSpec, query: _Query) -> None:
-    """CPU schedule: one work-item per (query row, q head) walks the visible keys in chunks
-    of KEY_CHUNK, scores them with LANES independent partial sums (a vectorisable dot
-    product), then rescales its private output row once per chunk (online softmax)."""
-    d, dv = query.cache.d, query.cache.dv
-    D, DV = dim(d), dim(dv)
-    ragged = not (isinstance(d, int) and d % LANES == 0)  # the last e0 step stops at D
-    qr = kb.let("qr", query.q_start())
-    m, l = kb.let("m", NEG_INF), kb.let("l", 0.0)
-    acc, sc, part = (kb.array(name, F32, size) for name, size in (("acc", dv), ("sc", KEY_CHUNK), ("part", LANES)))
-    with kb.loop("c", 0, DV) as c:
-        acc[c] = 0.0
-    with kb.loop("base", query.lo, query.hi, KEY_CHUNK) as base:
-        count = kb.let("count", minimum(KEY_CHUNK, query.hi - base))
-        mt = kb.let("mt", m)
-        with kb.loop("jj", 0, count) as jj:
-            key = query.cache.key(kb, kb.let("j", base + jj))
-            with kb.loop("e", 0, LANES) as e:
-                part[e] = 0.0
-            with kb.loop("e0", 0, D, LANES) as e0:
-                with kb.loop("e1", 0, LANES, cond=e0 + var("e1") < D if ragged else None) as e1:
-                    e = kb.let("e", e0 + e1)
-                    part[e1] += query.q[qr + e] * key(e)
+        def from_cache() -> None:
+            kr = kb.let("kr", _head_start(j, self.Hkv, kh, d))
             qk = kb.let("qk", 0.0)
-            with kb.loop("e", 0, LANES) as e:
-                kb.set(qk, qk + part[e])
-            sc[jj] = qk * query.scale
-            kb.set(mt, maximum(mt, sc[jj]))
-        alpha = kb.let("alpha", call("exp", m - mt))
-        kb.set(l, l * alpha)
-        with kb.loop("c", 0, DV) as c:
-            acc[c] *= alpha
-        with kb.loop("jj", 0, count) as jj:
-            r = kb.let("r", base + jj)
-            pj = kb.let("pj", call("exp", sc[jj] - mt))
-            kb.set(l, l + pj)
+            with kb.loop("e", 0, dim(d)) as e:
+                kb.set(qk, qk + qs[e] * self.k_cache[kr + e])
+            kb.set(s, qk * self.scale)
+
+        if self.new_rows is None:
+            from_cache()
+            return
+        p0, p1 = self.new_rows
+        with kb.if_((j >= p0) & (j < p1)):
+            t = kb.let("t", j - p0)
+            kr = kb.let("kr", self.k_proj.start(t, kh))
+            r = self.k_proj.inv_rms(kb, kr, "k")
+            qk = kb.let("qk", 0.0)
+            with kb.loop("e", 0, dim(d)) as e:
+                kb.set(qk, qk + qs[e] * self.k_proj.element(kb, t, kr, r, e))
+            kb.set(s, qk * self.scale)
+        with kb.else_():
+            from_cache()
+
+    # -- CPU: a work-item per (kv head, tile of rows) ---------------------------------------
+    def cpu(self, tile: "_CpuTile") -> None:
+        kb, KC, tile_rows, wide = self.kb, tile.chunk, tile.rows, tile.wide
+        self.kc = KC
+        d, dv, G = self.D, self.DV, self.G
+        D, DV = dim(d), dim(dv)
+        NQ = tile_rows * G
+        QB = next(b for b in (Q_BLOCK, 2, 1) if NQ % b == 0) if wide else 1
+        copied = wide and NQ > QB  # several query blocks read the chunk's rows: copy them once
+        self.lk, self.lv = (_lanes(d), _lanes(dv)) if wide else (1, 1)
+        self.k_block, self.exp_lanes = (K_BLOCK, LANES) if wide else (1, 1)
+        LK = self.lk
+        PQ = next(b for b in (4, 2, 1) if G % b == 0) if wide else 1  # queries (heads of a row) adding values together
+        r0, kh = kb.let("r0", kb.gid(0) * tile_rows), kb.let("kh", kb.gid(1))
+        nrows = kb.let("nrows", minimum(tile_rows, dim(self.T) - r0))
+        nq = kb.let("nq", nrows * G)
+        n = kb.let("n", minimum(self.kv_len[0], dim(self.C)))
+        qs, acc = kb.array("qs", F32, NQ * d), kb.array("acc", F32, NQ * dv)
+        m, l, sc = kb.array("m", F32, NQ), kb.array("l", F32, NQ), kb.array("sc", F32, NQ * KC)
+        alphas = kb.array("alphas", F32, G)
+        keys = kb.array("keys", F32, KC * d) if copied or self.new_rows else None
+        values = kb.array("values", F32, KC * dv) if copied else None
+        self._cpu_prologue(r0, kh, nrows, qs)
+        nq_pad = kb.let("nq_pad", (nq + (QB - 1)) / QB * QB)
+        with kb.loop("e", nq * D, nq_pad * D) as e:  # queries padding the last block score zeros
+            qs[e] = 0.0
+        with kb.loop("qi", 0, NQ) as qi:
+            m[qi], l[qi] = NEG_INF, 0.0
             with kb.loop("c", 0, DV) as c:
-                acc[c] += pj * query.cache.value(r, c)
-        kb.set(m, mt)
-    orow = kb.let("orow", query.out_start())
-    with kb.loop("c", 0, DV) as c:
-        query.out[orow + c] = acc[c] / l
+                acc[qi * DV + c] = 0.0
+            with kb.loop("c", 0, KC) as c:
+                sc[qi * KC + c] = 0.0
+        lo_t = kb.let("lo_t", self.visible(n, r0)[0])
+        hi_t = kb.let("hi_t", self.visible(n, r0 + nrows - 1)[1])
+        with kb.loop("base", lo_t / KC * KC, hi_t, KC) as base:  # chunks at multiples of KC
+            a, b = kb.let("a", maximum(base, lo_t)), kb.let("b", minimum(base + KC, hi_t))
+            self._cpu_chunk(kh, base, a, b, keys, values, copied)
+
+            def runs(j0: K, j1: K, body: Callable[[K, K, str], None]) -> None:
+                """body(j0, j1, where) over the runs of keys [j0, j1) by where their rows are read."""
+                if copied:
+                    body(j0, j1, "chunk")
+                else:
+                    _segments(j0, j1, self.new_rows, lambda x0, x1, fresh: body(x0, x1, "new" if fresh else "cache"))
+
+            # scores of every (query, key) pair of the tile and the chunk, QB x KB at a time
+            with kb.loop("q0", 0, nq_pad, QB) as q0:
+                runs(a, b, lambda j0, j1, where: self._cpu_scores(kh, base, q0, QB, j0, j1, where, qs, sc, keys, LK))
+            # each row's visible keys of the chunk into its G queries' softmax and output rows
+            with kb.loop("rr", 0, nrows) as rr:
+                qlo, qhi = self.visible(n, r0 + rr)
+                qa, qb = kb.let("qa", maximum(a, qlo)), kb.let("qb", minimum(b, qhi))
+                with kb.if_(qa < qb):
+                    with kb.loop("g", 0, G) as g:
+                        self._cpu_softmax(kb.let("qi", rr * G + g), qa - base, qb - base, m, l, sc, alphas, g)
+                    with kb.loop("g0", 0, G, PQ) as g0:
+                        self._cpu_values(kh, base, rr * G + g0, qa, qb, acc, sc, values,
+                                         [alphas[g0 + i] for i in range(PQ)], runs)
+        with kb.loop("qi", 0, nq) as qi:
+            row, h = kb.let("row", r0 + qi / G), kb.let("h", kh * G + qi % G)
+            lq = kb.let("lq", l[qi])
+            with kb.loop("c", 0, DV) as c:
+                self.store_out(row, h, c, acc[qi * DV + c] / lq)
+
+    def _key(self, kh: K, base: K, j: K, where: str, keys: Array | None, lanes: int, name: str) -> Callable[[K], K]:
+        """Elements e .. e + lanes - 1 of key j: from the chunk's rows (copied, or new rows
+        normed and roped there) or the cache."""
+        kb = self.kb
+        if where == "cache":
+            kr = kb.let(name, _head_start(j, self.Hkv, kh, self.D))
+            return lambda e: self.k_cache.load(kr + e, lanes=lanes)
+        kr = kb.let(name, (j - base) * dim(self.D))
+        return lambda e: keys.vec(kr + e, lanes)
+
+    def _value(self, kh: K, base: K, j: K, c0: K, where: str, values: Array | None, lanes: int) -> Callable[[int], K]:
+        """Elements c0 + o .. of value row j: from the chunk's copied rows, the v projection
+        (a new row) or the cache."""
+        kb, dv = self.kb, self.DV
+        if where == "chunk":
+            vr = kb.let("vr", (j - base) * dim(dv) + c0)
+            return lambda o: values.vec(vr + o, lanes)
+        src, row = (self.v, j - self.p0) if where == "new" else (self.v_cache, j)
+        vr = kb.let("vr", _head_start(row, self.Hkv, kh, dv) + c0)
+        return lambda o: src.load(vr + o, lanes=lanes)
+
+    def _cpu_scores(self, kh: K, base: K, q0: K, QB: int, j0: K, j1: K, where: str, qs: Array, sc: Array,
+                    keys: Array | None, LK: int) -> None:
+        """Scores of queries q0 .. q0 + QB - 1 with keys [j0, j1), K_BLOCK keys at a time (the
+        last block repeats key j1 - 1): each a LANES-wide partial sum over the head dim, its
+        lanes summed pairwise, times the scale."""
+        kb, KC, D = self.kb, self.kc, dim(self.D)
+        KB = self.k_block
+        with kb.loop("j", j0, j1, KB) as j:
+            ks = [kb.let(f"key{u}", minimum(j + u, j1 - 1)) if u else j for u in range(KB)]
+            key = [self._key(kh, base, ks[u], where, keys, LK, f"kr{u}") for u in range(KB)]
+            parts = {(i, u): kb.let(f"part{i}_{u}", cast(F32.vec(LK), 0.0)) for i in range(QB) for u in range(KB)}
+            with kb.loop("e0", 0, D, LK) as e0:
+                kv = [kb.let(f"kv{u}", key[u](e0)) for u in range(KB)]
+                for i in range(QB):
+                    qv = kb.let(f"qv{i}", qs.vec((q0 + i) * D + e0, LK))
+                    for u in range(KB):
+                        kb.set(parts[i, u], call("fma", qv, kv[u], parts[i, u]))
+            for (i, u), part in parts.items():
+                sc[(q0 + i) * KC + ks[u] - base] = (vsum(part) if LK > 1 else part) * self.scale
+
+    def _cpu_softmax(self, qi: K, sa: K, sb: K, m: Array, l: Array, sc: Array, alphas: Array, g: K) -> None:
+        """Query qi's online softmax over chunk slots [sa, sb): its running max and sum
+        rescaled, the slots' scores turned into weights; its output row's rescale in alphas[g]."""
+        kb, KC = self.kb, self.kc
+        srow = kb.let("srow", qi * KC)
+        mq = kb.let("mq", m[qi])
+        mt = kb.let("mt", mq)
+        with kb.loop("s", sa, sb) as s:
+            kb.set(mt, maximum(mt, sc[srow + s]))
+        if self.exp_lanes > 1:
+            for v0 in range(0, KC, self.exp_lanes):  # every slot's exponential (those outside [sa, sb) unused)
+                kb.set(sc.vec(srow + v0, self.exp_lanes), call("exp", sc.vec(srow + v0, self.exp_lanes) - mt))
+        else:
+            with kb.loop("s", sa, sb) as s:
+                sc[srow + s] = call("exp", sc[srow + s] - mt)
+        alpha = kb.let("alpha", call("exp", mq - mt))
+        lq = kb.let("lq", l[qi] * alpha)
+        with kb.loop("s", sa, sb) as s:
+            kb.set(lq, lq + sc[srow + s])
+        l[qi], m[qi], alphas[g] = lq, mt, alpha
+
+    def _cpu_values(self, kh: K, base: K, q0: K, qa: K, qb: K, acc: Array, sc: Array, values: Array | None,
+                    alphas: list[K], runs) -> None:
+        """Output rows of queries q0 .. q0 + len(alphas) - 1 (heads of one row: the same keys)
+        rescaled, plus the weighted value rows of keys [qa, qb): PV vectors of each at a time,
+        one load of a value vector feeding every query."""
+        kb, KC, dv = self.kb, self.kc, self.DV
+        LV, DV = self.lv, dim(dv)
+        PQ = len(alphas)
+        PV = next(b for b in range(V_BLOCK // PQ, 0, -1) if (dv // LV) % b == 0) if isinstance(dv, int) else 1
+        with kb.loop("c0", 0, DV, LV * PV) as c0:
+            rows = [kb.let(f"arow{i}", (q0 + i) * DV + c0) for i in range(PQ)]
+            accs = {(i, u): kb.let(f"av{i}_{u}", acc.vec(rows[i] + u * LV, LV) * alphas[i])
+                    for i in range(PQ) for u in range(PV)}
+
+            def add(j0: K, j1: K, where: str) -> None:
+                with kb.loop("j", j0, j1) as j:
+                    value = self._value(kh, base, j, c0, where, values, LV)
+                    ps = [kb.let(f"p{i}", sc[(q0 + i) * KC + j - base]) for i in range(PQ)]
+                    for u in range(PV):
+                        vv = kb.let(f"vv{u}", value(u * LV))
+                        for i in range(PQ):
+                            kb.set(accs[i, u], call("fma", ps[i], vv, accs[i, u]))
+            runs(qa, qb, add)
+            for (i, u), av in accs.items():
+                kb.set(acc.vec(rows[i] + u * LV, LV), av)
+
+    def _cpu_chunk(self, kh: K, base: K, a: K, b: K, keys: Array | None, values: Array | None, copied: bool) -> None:
+        """Slots j - base of the chunk's rows for keys [a, b): new rows' keys normed and roped
+        from the k projection; with `copied`, every key and value row (cache rows copied: rows
+        a kv-head stride apart share cache sets, which several query blocks would re-read)."""
+        kb, d, dv = self.kb, self.D, self.DV
+        LK, LV = self.lk, self.lv
+
+        def fill(j0: K, j1: K, fresh: bool) -> None:
+            if not (fresh or copied):
+                return
+            with kb.loop("j", j0, j1) as j:
+                slot = kb.let("slot", j - base)
+                if fresh:
+                    t = kb.let("t", j - self.p0)
+                    kr = kb.let("kr", self.k_proj.start(t, kh))
+                    r = self.k_proj.inv_rms(kb, kr, "k")
+                    self.k_proj.row(kb, t, kr, r, lambda e, x: keys.__setitem__(slot * dim(d) + e, x))
+                    vr = kb.let("vr", _head_start(t, self.Hkv, kh, dv))
+                else:
+                    kr = kb.let("kr", _head_start(j, self.Hkv, kh, d))
+                    with kb.loop("e", 0, dim(d), LK) as e:
+                        kb.set(keys.vec(slot * dim(d) + e, LK), self.k_cache.load(kr + e, lanes=LK))
+                    vr = kb.let("vr", _head_start(j, self.Hkv, kh, dv))
+                if copied:
+                    src = self.v if fresh else self.v_cache
+                    with kb.loop("c", 0, dim(dv), LV) as c:
+                        kb.set(values.vec(slot * dim(dv) + c, LV), src.load(vr + c, lanes=LV))
+        _segments(a, b, self.new_rows, fill)
+
+    def _cpu_prologue(self, r0: K, kh: K, nrows: K, qs: Array) -> None:
+        """The tile's q rows into qs (normed and roped when fused), and with `persist` the
+        tile's own rows of K and V written into the caches."""
+        kb, d, G = self.kb, self.D, self.G
+        with kb.loop("rr", 0, nrows) as rr:
+            row = kb.let("row", r0 + rr)
+            with kb.loop("g", 0, G) as g:
+                h, qrow = kb.let("h", kh * G + g), kb.let("qrow", (rr * G + g) * dim(d))
+                if self.q_proj is None:
+                    qstart = kb.let("qstart", _head_start(row, self.H, h, d))
+                    with kb.loop("e", 0, dim(d)) as e:
+                        qs[qrow + e] = self.q[qstart + e]
+                else:
+                    qstart = kb.let("qstart", self.q_proj.start(row, h))
+                    r = self.q_proj.inv_rms(kb, qstart, "q")
+                    self.q_proj.row(kb, row, qstart, r, lambda e, x: qs.__setitem__(qrow + e, x))
+            if self.persist:
+                self.write_rows(row, kh)
+
+
+@dataclass(frozen=True)
+class _CpuTile:
+    """A CPU work-item's share: `rows` query rows (times the G heads of its kv head), keys
+    taken `chunk` at a time. `wide`: register blocks of vectors (PoCL); else one scalar at a
+    time and small arrays (lavapipe, whose shader compiler takes minutes on unrolled lanes
+    and on large private arrays: it turns each dynamic index of one into a ladder of branches)."""
+
+    rows: int
+    chunk: int
+    wide: bool
+
+
+def _cpu_tile(kernel: _Attention, wide: bool) -> _CpuTile:
+    """A verify block of rows where their q and output rows fit TILE_BYTES (wide), or the
+    largest tile whose arrays fit NARROW_BYTES (narrow); never more rows than there are."""
+    t, g = kernel.T, kernel.G
+    d, dv = (x if isinstance(x, int) else 256 for x in (kernel.D, kernel.DV))
+    fit = (lambda rows: min(rows, t)) if isinstance(t, int) else (lambda rows: rows)
+    if wide:
+        return _CpuTile(fit(max(1, min(TILE_ROWS, TILE_BYTES // (4 * g * (d + dv))))), KEY_CHUNK, True)
+    def floats(rows: int, chunk: int) -> int:
+        return rows * g * (d + dv + chunk + 2) + g + (chunk * d if kernel.new_rows else 0)
+    # the chunk decides the arithmetic: the same for every row count (a decode and a verify)
+    chunk = 16 if 4 * floats(1, 16) <= NARROW_BYTES else 8
+    rows = next((r for r in (TILE_ROWS, 8, 4, 2) if 4 * floats(fit(r), chunk) <= NARROW_BYTES), 1)
+    return _CpuTile(fit(rows), chunk, False)
+
+
+def _launch(ctx: NodeCtx, kernel: _Attention) -> None:
+    kb = kernel.kb
+    if ctx.profile == "cpu":
+        tile = _cpu_tile(kernel, wide=ctx.row_streams > 1)
+        kernel.cpu(tile)
+        kb.launch([cdiv(dim(kernel.T), tile.rows), kernel.Hkv])
+    else:
+        kernel.gpu()
+        kb.launch([dim(kernel.T), kernel.H])
+
+
+def _check_attention(ctx: NodeCtx, kv_len: Value, cap: Dim, rows: Dim, causal: bool, window: int) -> None:
+    ctx.check("attention", kv_len, size=dim(cap), rows=dim(rows), flags=("ordered",) if causal or window else ())
+
+
+def _kernel(ctx: NodeCtx, op: str) -> KernelSpec:
+    cpu = ctx.profile == "cpu"
+    return ctx.kernel(f"{op}_rows" if cpu else op, local=(1,) if cpu else (THREADS,))
 
 
 @lowers("attention")
 def attention(ctx: NodeCtx) -> None:
+    q, k, v, kv_len = ctx.ins
     a = ctx.attr
-    attention_launch(ctx, *ctx.ins, ctx.outs[0], scale=a["scale"], causal=a.get("causal", True),
-                     window=a.get("window", 0))
+    causal, window = a.get("causal", True), a.get("window", 0)
+    _check_attention(ctx, kv_len, k.type.shape[0], q.type.shape[0], causal, window)
+    kb = _kernel(ctx, "attention")
+    bufs = [kb.bind(name, x) for name, x in zip(("q", "k", "v", "kv_len"), (q, k, v, kv_len))]
+    out = kb.bind("out", ctx.outs[0], writes=True)
+    _launch(ctx, _Attention(kb, q=bufs[0], q_value=q, k_cache=bufs[1], v_cache=bufs[2], cache=k,
+                            dv=v.type.shape[2], kv_len=bufs[3], out=out, scale=a["scale"], causal=causal,
+                            window=window))
+
+
+def _copy(ctx: NodeCtx, src: Value, dst: Value) -> None:
+    """dst = src, element by element (a cache that another node still reads in its old form)."""
+    kb = ctx.kernel("copy", local=(FLAT,))
+    x, out = kb.bind("x0", src), kb.bind("out", dst, writes=True)
+    total = prod(src.type.shape)
+    i = flat_index(kb, total)
+    write(dst, out, i, read(src, x, i))
+    kb.launch([cdiv(total, FLAT)])
+
+
+def _writable(ctx: NodeCtx, cache: Value, out: Value) -> None:
+    """`out` (the cache after this node's writes) in the cache's own buffer when nothing
+    else reads the old cache (the usual case), else in a copy of it."""
+    if ctx.can_overwrite(cache):
+        ctx.alias(out, cache)
+    else:
+        _copy(ctx, cache, out)
 
 
 @lowers("kv_write")
 def kv_write(ctx: NodeCtx) -> None:
     """Rows [pos, pos + T) of the cache replaced by `new`, written in place when nothing else
-    reads the old cache (the usual case), else into a copy. Rows past the capacity are
-    dropped on the device; the host check reports the overflow first."""
+    reads the old cache, else into a copy. Rows past the capacity are dropped on the device;
+    the host check reports the overflow first."""
     cache, new, pos = ctx.ins
     out = ctx.outs[0]
     capacity, row = dim(cache.type.shape[0]), prod(cache.type.shape[1:])
     ctx.check("kv_write", pos, size=capacity, rows=dim(new.type.shape[0]))
-    if ctx.can_overwrite(cache):
-        ctx.alias(out, cache)
-    else:
-        flat_launch(ctx, lambda kb, i, xs, out_buf: write(out, out_buf, i, read(cache, xs[0], i)), inputs=[cache],
-                    op="copy")
+    _writable(ctx, cache, out)
     kb = ctx.kernel("kv_write", local=(FLAT,))
     new_rows, start, out_buf = kb.bind("new_rows", new), kb.bind("pos", pos), kb.bind("out", out, writes=True)
     total = prod(new.type.shape)
@@ -257,21 +638,27 @@ def kv_write(ctx: NodeCtx) -> None:
 
 @lowers("fused_attention")
 def fused_attention(ctx: NodeCtx) -> None:
-    """The layer as its parts' kernels: rmsnorm + rope of q and k, the cache writes (in place)
-    or, without `persist`, attention reading the new rows beside the untouched caches, then
-    the optional sigmoid output gate."""
-    q, k, v, _, _, _, pos, kv_len, k_cache, v_cache = ctx.ins
+    """The layer as one kernel (see the module docstring); with `persist` the caches are
+    written in place (after a copy when another node still reads the old cache)."""
+    q, _, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_cache = ctx.ins
     a = ctx.attr
-    rows, heads = q.type.shape[:2]
-    q_rot, k_rot = attention_prologue(ctx)
-    o = ctx.temp(q_rot.type.__class__(q_rot.type.dtype, (rows, heads, v.type.shape[2])))
-    kw = dict(scale=a["scale"], causal=a.get("causal", True), window=a.get("window", 0))
-    if a.get("persist", True):
-        k_all, v_all = ctx.outs[1:]
-        ctx.sub("kv_write", k_cache, k_rot, pos, outputs=[k_all])
-        ctx.sub("kv_write", v_cache, v, pos, outputs=[v_all])
-        attention_launch(ctx, q_rot, k_all, v_all, kv_len, o, **kw)
-    else:
-        ctx.check("kv_write", pos, size=dim(k_cache.type.shape[0]), rows=dim(rows))
-        attention_launch(ctx, q_rot, k_cache, v_cache, kv_len, o, **kw, new=(k_rot, v, pos))
-    attention_epilogue(ctx, o)
+    rows, cap = q.type.shape[0], k_cache.type.shape[0]
+    causal, window = a.get("causal", True), a.get("window", 0)
+    ctx.check("kv_write", pos, size=dim(cap), rows=dim(rows))
+    _check_attention(ctx, kv_len, cap, rows, causal, window)
+    persist = a.get("persist", True)
+    caches = (k_cache, v_cache)
+    if persist:
+        caches = tuple(ctx.outs[1:])
+        for cache, out in zip((k_cache, v_cache), caches):
+            _writable(ctx, cache, out)
+    kb = _kernel(ctx, "fused_attention")
+    names = ("q", "k", "v", "q_norm", "k_norm", "positions", "pos", "kv_len")
+    bufs = dict(zip(names, (kb.bind(name, x) for name, x in zip(names, ctx.ins[:8]))))
+    k_buf, v_buf = (kb.bind(name, c, writes=persist) for name, c in zip(("k_cache", "v_cache"), caches))
+    out = kb.bind("out", ctx.outs[0], writes=True)
+    kernel = _Attention(kb, q=bufs["q"], q_value=q, k_cache=k_buf, v_cache=v_buf, cache=k_cache, dv=v.type.shape[2],
+                        kv_len=bufs["kv_len"], out=out, scale=a["scale"], causal=causal, window=window)
+    kernel.layer(bufs["k"], bufs["v"], bufs["q_norm"], bufs["k_norm"], (q_norm, k_norm), bufs["positions"],
+                 positions, bufs["pos"], a)
+    _launch(ctx, kernel)

@@ -9,7 +9,6 @@ from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.types import TensorType
 
-from ..lowering import attention_epilogue, attention_prologue
 from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, f32, prod
 
@@ -88,6 +87,28 @@ def kv_write(ctx: TVMNodeCtx) -> None:
     else:
         copy(ctx, cache, out)
     write_rows(ctx, new, pos, out)
+
+
+def attention_prologue(ctx: TVMNodeCtx) -> tuple[Value, Value]:
+    """q and k of a fused_attention node after their rmsnorm and rope (q without its gate half)."""
+    q, k, _, q_norm, k_norm, positions = ctx.ins[:6]
+    a = ctx.attr
+    rope = {n: a[n] for n in ("n_rot", "theta", "sections", "interleaved") if n in a}
+    q_part = ctx.sub("slice", q, axis=2, start=0, stop=k.type.shape[2]) if a.get("gated") else q
+    return tuple(ctx.sub("rope", ctx.sub("rmsnorm", x, norm, eps=a["eps"]), positions, **rope)
+                 for x, norm in ((q_part, q_norm), (k, k_norm)))
+
+
+def attention_epilogue(ctx: TVMNodeCtx, o: Value) -> None:
+    """The fused_attention output: o (rows, heads, dv) flattened, times sigmoid(gate) when gated."""
+    q, k = ctx.ins[:2]
+    rows, heads, dv = o.type.shape
+    flat = ctx.sub("reshape", o, shape=(rows, heads * dv))
+    if ctx.attr.get("gated"):
+        gate = ctx.sub("reshape", ctx.sub("slice", q, axis=2, start=k.type.shape[2]), shape=(rows, heads * dv))
+        ctx.sub("sigmoid_gate", flat, gate, outputs=[ctx.outs[0]])
+    else:
+        ctx.alias(ctx.outs[0], flat)
 
 
 @lowers("fused_attention")

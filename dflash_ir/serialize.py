@@ -15,8 +15,12 @@ from .types import parse_type
 
 FORMAT = "dflash-ir.graph/1"
 
-# libyaml's dumper when PyYAML was built with it: artifact graphs are large
-YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+class YAML_DUMPER(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
+    """libyaml's dumper when PyYAML was built with it (artifact graphs are large), writing a
+    shared object out again each time: the strict loader refuses anchors and aliases."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
 
 
 class GraphFormatError(ValueError):

@@ -181,6 +181,8 @@ def test_cuda_loads_the_cubin_of_the_device(monkeypatch, tmp_path, capability, c
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cupy_device, "_module", lambda path: path)
     entry = {"cubin": {a: f"k.{a}.cubin" for a in ("sm_80", "sm_89", "sm_90")}, "ptx": "k.ptx"}
+    for name in (*entry["cubin"].values(), entry["ptx"]):
+        (tmp_path / name).write_bytes(b"")  # loading opens only the artifact's own regular files
     device = get_backend("cuda").device_for(entry, tmp_path)
     assert device.module == str(tmp_path / chosen)
 

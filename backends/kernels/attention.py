@@ -9,18 +9,17 @@ scores one key of the tile, and owns a slice of the output dims it accumulates.
 
 CPU: a work-item per (kv head, tile of query rows x the q heads sharing that kv head)
 walks the keys the tile sees in chunks of KEY_CHUNK keys aligned to absolute positions, so
-K and V are read once per tile instead of once per (row, head). Per chunk it copies the
-chunk's key and value rows into contiguous private rows when several query blocks read
-them (cache rows a kv-head stride apart share cache sets), scores every (query, key) pair
-of the tile into a private block, Q_BLOCK queries x K_BLOCK keys at a time (each a
-LANES-wide partial sum of FMAs, its lanes summed pairwise), then each row takes its own
-visible keys of the chunk (the block's causal mask, the window) into its heads' online
-softmax: the rescale, the exponentials, and the weighted value rows, one value load
-feeding the row's heads. A query's arithmetic (the chunks, the dot-product lanes, the
-rescale and accumulation order) does not depend on which queries share its tile or where
-its rows were read from, so a row's output is bit-identical alone (a decode) and in a
-verify block. Without vectors (lavapipe) the same walk goes one scalar at a time over
-smaller tiles (`_CpuTile`).
+K and V are read once per tile instead of once per (row, head). Per chunk it scores every
+(query, key) pair of the tile into a private block, Q_BLOCK queries x K_BLOCK keys at a
+time (each a LANES-wide partial sum of FMAs, its lanes summed pairwise), then each row
+takes its own visible keys of the chunk (the block's causal mask, the window) into its
+heads' online softmax (the chunk's max and sum as vector trees over its slots, invisible
+ones weighing exactly 0) and their output rows, one value load feeding the row's heads.
+A query's arithmetic (the chunks, the dot-product lanes, the rescale, max, sum and
+accumulation order) does not depend on which queries share its tile or where its keys are
+read from, so a row's output is bit-identical alone (a decode) and in a verify block.
+Without vectors (lavapipe) the same walk goes one scalar at a time over smaller tiles
+(`_CpuTile`).
 
 `fused_attention` is the same kernel with the layer around it: each query normalises
 (q_norm) and ropes its own q row (the rope op's tables, from dflash_ir/ops/position.py);
@@ -341,10 +340,9 @@ class _Attention:
         d, dv, G = self.D, self.DV, self.G
         D, DV = dim(d), dim(dv)
         NQ = tile_rows * G
-        QB = next(b for b in (Q_BLOCK, 2, 1) if NQ % b == 0) if wide else 1
-        copied = wide and NQ > QB  # several query blocks read the chunk's rows: copy them once
+        QB = next(b for b in (Q_BLOCK, 4, 2, 1) if NQ % b == 0) if wide else 1
         self.lk, self.lv = (_lanes(d), _lanes(dv)) if wide else (1, 1)
-        self.k_block, self.exp_lanes = (K_BLOCK, LANES) if wide else (1, 1)
+        self.k_block, self.exp_lanes = (K_BLOCK, min(LANES, KC)) if wide else (1, 1)
         LK = self.lk
         PQ = next(b for b in (4, 2, 1) if G % b == 0) if wide else 1  # queries (heads of a row) adding values together
         r0, kh = kb.let("r0", kb.gid(0) * tile_rows), kb.let("kh", kb.gid(1))
@@ -354,8 +352,8 @@ class _Attention:
         qs, acc = kb.array("qs", F32, NQ * d), kb.array("acc", F32, NQ * dv)
         m, l, sc = kb.array("m", F32, NQ), kb.array("l", F32, NQ), kb.array("sc", F32, NQ * KC)
         alphas = kb.array("alphas", F32, G)
-        keys = kb.array("keys", F32, KC * d) if copied or self.new_rows else None
-        values = kb.array("values", F32, KC * dv) if copied else None
+        self.lanes = kb.array("lanes", F32, LANES) if wide else None  # a vector's lanes, for its max
+        keys = kb.array("keys", F32, KC * d) if self.new_rows else None  # the chunk's new rows, normed and roped
         self._cpu_prologue(r0, kh, nrows, qs)
         nq_pad = kb.let("nq_pad", (nq + (QB - 1)) / QB * QB)
         with kb.loop("e", nq * D, nq_pad * D) as e:  # queries padding the last block score zeros
@@ -370,18 +368,12 @@ class _Attention:
         hi_t = kb.let("hi_t", self.visible(n, r0 + nrows - 1)[1])
         with kb.loop("base", lo_t / KC * KC, hi_t, KC) as base:  # chunks at multiples of KC
             a, b = kb.let("a", maximum(base, lo_t)), kb.let("b", minimum(base + KC, hi_t))
-            self._cpu_chunk(kh, base, a, b, keys, values, copied)
-
-            def runs(j0: K, j1: K, body: Callable[[K, K, str], None]) -> None:
-                """body(j0, j1, where) over the runs of keys [j0, j1) by where their rows are read."""
-                if copied:
-                    body(j0, j1, "chunk")
-                else:
-                    _segments(j0, j1, self.new_rows, lambda x0, x1, fresh: body(x0, x1, "new" if fresh else "cache"))
-
+            if self.new_rows:
+                self._cpu_new_keys(kh, base, a, b, keys)
             # scores of every (query, key) pair of the tile and the chunk, QB x KB at a time
             with kb.loop("q0", 0, nq_pad, QB) as q0:
-                runs(a, b, lambda j0, j1, where: self._cpu_scores(kh, base, q0, QB, j0, j1, where, qs, sc, keys, LK))
+                _segments(a, b, self.new_rows,
+                          lambda j0, j1, fresh: self._cpu_scores(kh, base, q0, QB, j0, j1, fresh, qs, sc, keys, LK))
             # each row's visible keys of the chunk into its G queries' softmax and output rows
             with kb.loop("rr", 0, nrows) as rr:
                 qlo, qhi = self.visible(n, r0 + rr)
@@ -390,36 +382,30 @@ class _Attention:
                     with kb.loop("g", 0, G) as g:
                         self._cpu_softmax(kb.let("qi", rr * G + g), qa - base, qb - base, m, l, sc, alphas, g)
                     with kb.loop("g0", 0, G, PQ) as g0:
-                        self._cpu_values(kh, base, rr * G + g0, qa, qb, acc, sc, values,
-                                         [alphas[g0 + i] for i in range(PQ)], runs)
+                        self._cpu_values(kh, base, rr * G + g0, qa, qb, acc, sc, [alphas[g0 + i] for i in range(PQ)])
         with kb.loop("qi", 0, nq) as qi:
             row, h = kb.let("row", r0 + qi / G), kb.let("h", kh * G + qi % G)
             lq = kb.let("lq", l[qi])
             with kb.loop("c", 0, DV) as c:
                 self.store_out(row, h, c, acc[qi * DV + c] / lq)
 
-    def _key(self, kh: K, base: K, j: K, where: str, keys: Array | None, lanes: int, name: str) -> Callable[[K], K]:
-        """Elements e .. e + lanes - 1 of key j: from the chunk's rows (copied, or new rows
-        normed and roped there) or the cache."""
+    def _key(self, kh: K, base: K, j: K, fresh: bool, keys: Array | None, lanes: int, name: str) -> Callable[[K], K]:
+        """Elements e .. e + lanes - 1 of key j: a new row (normed and roped into the chunk's
+        `keys`) or a cache row."""
         kb = self.kb
-        if where == "cache":
+        if not fresh:
             kr = kb.let(name, _head_start(j, self.Hkv, kh, self.D))
             return lambda e: self.k_cache.load(kr + e, lanes=lanes)
         kr = kb.let(name, (j - base) * dim(self.D))
         return lambda e: keys.vec(kr + e, lanes)
 
-    def _value(self, kh: K, base: K, j: K, c0: K, where: str, values: Array | None, lanes: int) -> Callable[[int], K]:
-        """Elements c0 + o .. of value row j: from the chunk's copied rows, the v projection
-        (a new row) or the cache."""
-        kb, dv = self.kb, self.DV
-        if where == "chunk":
-            vr = kb.let("vr", (j - base) * dim(dv) + c0)
-            return lambda o: values.vec(vr + o, lanes)
-        src, row = (self.v, j - self.p0) if where == "new" else (self.v_cache, j)
-        vr = kb.let("vr", _head_start(row, self.Hkv, kh, dv) + c0)
+    def _value(self, kh: K, j: K, c0: K, fresh: bool, lanes: int) -> Callable[[int], K]:
+        """Elements c0 + o .. of value row j: from the v projection (a new row) or the cache."""
+        src, row = (self.v, j - self.p0) if fresh else (self.v_cache, j)
+        vr = self.kb.let("vr", _head_start(row, self.Hkv, kh, self.DV) + c0)
         return lambda o: src.load(vr + o, lanes=lanes)
 
-    def _cpu_scores(self, kh: K, base: K, q0: K, QB: int, j0: K, j1: K, where: str, qs: Array, sc: Array,
+    def _cpu_scores(self, kh: K, base: K, q0: K, QB: int, j0: K, j1: K, fresh: bool, qs: Array, sc: Array,
                     keys: Array | None, LK: int) -> None:
         """Scores of queries q0 .. q0 + QB - 1 with keys [j0, j1), K_BLOCK keys at a time (the
         last block repeats key j1 - 1): each a LANES-wide partial sum over the head dim, its
@@ -428,7 +414,7 @@ class _Attention:
         KB = self.k_block
         with kb.loop("j", j0, j1, KB) as j:
             ks = [kb.let(f"key{u}", minimum(j + u, j1 - 1)) if u else j for u in range(KB)]
-            key = [self._key(kh, base, ks[u], where, keys, LK, f"kr{u}") for u in range(KB)]
+            key = [self._key(kh, base, ks[u], fresh, keys, LK, f"kr{u}") for u in range(KB)]
             parts = {(i, u): kb.let(f"part{i}_{u}", cast(F32.vec(LK), 0.0)) for i in range(QB) for u in range(KB)}
             with kb.loop("e0", 0, D, LK) as e0:
                 kv = [kb.let(f"kv{u}", key[u](e0)) for u in range(KB)]
@@ -441,27 +427,48 @@ class _Attention:
 
     def _cpu_softmax(self, qi: K, sa: K, sb: K, m: Array, l: Array, sc: Array, alphas: Array, g: K) -> None:
         """Query qi's online softmax over chunk slots [sa, sb): its running max and sum
-        rescaled, the slots' scores turned into weights; its output row's rescale in alphas[g]."""
-        kb, KC = self.kb, self.kc
+        rescaled, the slots' scores turned into weights; its output row's rescale in alphas[g].
+        Wide: the slots outside [sa, sb) are set to -inf, so the chunk's max is a vector max
+        and its sum a fixed tree over every slot (the others weigh exactly 0): the same for a
+        query whatever other keys its tile has. Narrow: loops over [sa, sb)."""
+        kb, KC, W = self.kb, self.kc, self.exp_lanes
         srow = kb.let("srow", qi * KC)
         mq = kb.let("mq", m[qi])
-        mt = kb.let("mt", mq)
-        with kb.loop("s", sa, sb) as s:
-            kb.set(mt, maximum(mt, sc[srow + s]))
-        if self.exp_lanes > 1:
-            for v0 in range(0, KC, self.exp_lanes):  # every slot's exponential (those outside [sa, sb) unused)
-                kb.set(sc.vec(srow + v0, self.exp_lanes), call("exp", sc.vec(srow + v0, self.exp_lanes) - mt))
-        else:
+        if W == 1:
+            mt = kb.let("mt", mq)
+            with kb.loop("s", sa, sb) as s:
+                kb.set(mt, maximum(mt, sc[srow + s]))
             with kb.loop("s", sa, sb) as s:
                 sc[srow + s] = call("exp", sc[srow + s] - mt)
+            alpha = kb.let("alpha", call("exp", mq - mt))
+            lq = kb.let("lq", l[qi] * alpha)
+            with kb.loop("s", sa, sb) as s:
+                kb.set(lq, lq + sc[srow + s])
+            l[qi], m[qi], alphas[g] = lq, mt, alpha
+            return
+        for lo, hi in ((0, sa), (sb, KC)):
+            with kb.loop("s", lo, hi) as s:
+                sc[srow + s] = NEG_INF
+        lanes = self.lanes
+        top = sc.vec(srow, W)
+        for v0 in range(W, KC, W):
+            top = maximum(top, sc.vec(srow + v0, W))
+        kb.set(lanes.vec(0, W), top)
+        width = W
+        while width > 1:  # the max of the lanes, halves first
+            width //= 2
+            kb.set(lanes.vec(0, width), maximum(lanes.vec(0, width), lanes.vec(width, width)))
+        mt = kb.let("mt", maximum(mq, lanes[0]))
+        weights = [kb.let(f"w{v0}", call("exp", sc.vec(srow + v0, W) - mt)) for v0 in range(0, KC, W)]
+        for v0, w in zip(range(0, KC, W), weights):
+            kb.set(sc.vec(srow + v0, W), w)
+        while len(weights) > 1:  # the sum of the slots: vectors pairwise, then their lanes
+            half = len(weights) // 2
+            weights = [weights[k] + weights[k + half] for k in range(half)]
         alpha = kb.let("alpha", call("exp", mq - mt))
-        lq = kb.let("lq", l[qi] * alpha)
-        with kb.loop("s", sa, sb) as s:
-            kb.set(lq, lq + sc[srow + s])
-        l[qi], m[qi], alphas[g] = lq, mt, alpha
+        l[qi], m[qi], alphas[g] = l[qi] * alpha + vsum(weights[0]), mt, alpha
 
-    def _cpu_values(self, kh: K, base: K, q0: K, qa: K, qb: K, acc: Array, sc: Array, values: Array | None,
-                    alphas: list[K], runs) -> None:
+    def _cpu_values(self, kh: K, base: K, q0: K, qa: K, qb: K, acc: Array, sc: Array, alphas: list[K]) -> None:
         """Output rows of queries q0 .. q0 + len(alphas) - 1 (heads of one row: the same keys)
         rescaled, plus the weighted value rows of keys [qa, qb): PV vectors of each at a time,
         one load of a value vector feeding every query."""
@@ -474,46 +481,28 @@ class _Attention:
             accs = {(i, u): kb.let(f"av{i}_{u}", acc.vec(rows[i] + u * LV, LV) * alphas[i])
                     for i in range(PQ) for u in range(PV)}
 
-            def add(j0: K, j1: K, where: str) -> None:
+            def add(j0: K, j1: K, fresh: bool) -> None:
                 with kb.loop("j", j0, j1) as j:
-                    value = self._value(kh, base, j, c0, where, values, LV)
+                    value = self._value(kh, j, c0, fresh, LV)
                     ps = [kb.let(f"p{i}", sc[(q0 + i) * KC + j - base]) for i in range(PQ)]
                     for u in range(PV):
                         vv = kb.let(f"vv{u}", value(u * LV))
                         for i in range(PQ):
                             kb.set(accs[i, u], call("fma", ps[i], vv, accs[i, u]))
-            runs(qa, qb, add)
+            _segments(qa, qb, self.new_rows, add)
             for (i, u), av in accs.items():
                 kb.set(acc.vec(rows[i] + u * LV, LV), av)
 
-    def _cpu_chunk(self, kh: K, base: K, a: K, b: K, keys: Array | None, values: Array | None, copied: bool) -> None:
-        """Slots j - base of the chunk's rows for keys [a, b): new rows' keys normed and roped
-        from the k projection; with `copied`, every key and value row (cache rows copied: rows
-        a kv-head stride apart share cache sets, which several query blocks would re-read)."""
-        kb, d, dv = self.kb, self.D, self.DV
-        LK, LV = self.lk, self.lv
-
-        def fill(j0: K, j1: K, fresh: bool) -> None:
-            if not (fresh or copied):
-                return
-            with kb.loop("j", j0, j1) as j:
-                slot = kb.let("slot", j - base)
-                if fresh:
-                    t = kb.let("t", j - self.p0)
-                    kr = kb.let("kr", self.k_proj.start(t, kh))
-                    r = self.k_proj.inv_rms(kb, kr, "k")
-                    self.k_proj.row(kb, t, kr, r, lambda e, x: keys.__setitem__(slot * dim(d) + e, x))
-                    vr = kb.let("vr", _head_start(t, self.Hkv, kh, dv))
-                else:
-                    kr = kb.let("kr", _head_start(j, self.Hkv, kh, d))
-                    with kb.loop("e", 0, dim(d), LK) as e:
-                        kb.set(keys.vec(slot * dim(d) + e, LK), self.k_cache.load(kr + e, lanes=LK))
-                    vr = kb.let("vr", _head_start(j, self.Hkv, kh, dv))
-                if copied:
-                    src = self.v if fresh else self.v_cache
-                    with kb.loop("c", 0, dim(dv), LV) as c:
-                        kb.set(values.vec(slot * dim(dv) + c, LV), src.load(vr + c, lanes=LV))
-        _segments(a, b, self.new_rows, fill)
+    def _cpu_new_keys(self, kh: K, base: K, a: K, b: K, keys: Array) -> None:
+        """The new rows among keys [a, b), normed and roped from the k projection into slots
+        j - base of `keys` (each chunk's own: the tile reads them once per query block)."""
+        kb, p0, p1 = self.kb, *self.new_rows
+        with kb.loop("j", maximum(a, p0), minimum(b, p1)) as j:
+            t = kb.let("t", j - p0)
+            kr = kb.let("kr", self.k_proj.start(t, kh))
+            r = self.k_proj.inv_rms(kb, kr, "k")
+            slot = kb.let("slot", (j - base) * dim(self.D))
+            self.k_proj.row(kb, t, kr, r, lambda e, x: keys.__setitem__(slot + e, x))
 
     def _cpu_prologue(self, r0: K, kh: K, nrows: K, qs: Array) -> None:
         """The tile's q rows into qs (normed and roped when fused), and with `persist` the

@@ -4,10 +4,9 @@
   device: source, SPIR-V, cubin ...), described by a JSON-able program entry;
 - load/run: program entry + artifact folder + weights -> a Program that runs on the device.
 
-A Program runs one graph: `run(inputs, states, keep=()) -> RunResult(outputs, states)` with
-numpy arrays on the host side. Backends that keep state on the device may return
-device-backed arrays for states and for the outputs named in `keep`; the runtime only takes
-rows of them and passes them back in.
+What `load` returns, a Program, and the types it shares with the runtime (RunResult,
+WeightLoader, BindError, DeviceArray) are the contract in dflash_ir/program.py, which the
+runtime imports instead of anything here.
 """
 from __future__ import annotations
 
@@ -15,23 +14,14 @@ import importlib
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Collection, Mapping, Protocol
+from typing import Any, Mapping
 
-import numpy as np
-
-from dflash_ir.interpreter import RunResult, WeightLoader
 from dflash_ir.ir import Graph
+from dflash_ir.program import Program, WeightLoader
 
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot run here; the message says why and what would fix it."""
-
-
-class Program(Protocol):
-    graph: Graph
-
-    def run(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray], *,
-            keep: Collection[str] = ()) -> RunResult: ...
 
 
 class Backend(ABC):

@@ -7,8 +7,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, Mapping
 
-from dflash_ir.interpreter import WeightLoader
 from dflash_ir.ir import Graph
+from dflash_ir.program import WeightLoader
 
 from .base import Backend
 from .kir.build import FUNCTIONS

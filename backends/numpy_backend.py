@@ -4,8 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from dflash_ir.interpreter import Interpreter, WeightLoader
+from dflash_ir.interpreter import Interpreter
 from dflash_ir.ir import Graph
+from dflash_ir.program import WeightLoader
 
 from .base import Backend, register_backend
 

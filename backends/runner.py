@@ -5,11 +5,12 @@ Program split); binding, allocating the planned buffers, host checks and launch 
 Per call: symbols are bound from the input and state shapes, inputs and states are copied
 to the device, the steps launch in order, outputs are copied back. On a device that can copy
 between its buffers, states stay there: updated states (and the per-row states a verify
-writes for rollback, graph meta "row_states") come back as `DeviceArray`s, which the
-runtime indexes and passes back in, so a decode or verify round moves no state through the
-host; `np.asarray` reads one when asked. Outputs the caller names in `keep` stay on the
-device the same way (a verify's logits and tap features: a greedy round reads neither), and
-any program whose device shares the memory (`Device.memory`) takes them as inputs.
+writes for rollback, graph meta "row_states") come back as `DeviceArray`s (a contract
+type, dflash_ir/program.py: a DeviceProgram is a `Program`), which the runtime indexes and
+passes back in, so a decode or verify round moves no state through the host; `np.asarray`
+reads one when asked. Outputs the caller names in `keep` stay on the device the same way
+(a verify's logits and tap features: a greedy round reads neither), and any program whose
+device shares the memory (`Device.memory`) takes them as inputs.
 Weights are uploaded once (in the layout the kernels read: a packed copy where the plan
 asks for one, `plan.packs`), and steps that depend on weights only (e.g. dequantising a
 weight) run once at load; both are shared by every program of one load through `Resident`.
@@ -23,16 +24,16 @@ that list without evaluating a size expression.
 from __future__ import annotations
 
 import functools
-import math
 from collections import OrderedDict
 from typing import Any, Callable, Collection, Mapping, Protocol
 
 import numpy as np
 
 from dflash_ir.errors import ContextOverflowError
-from dflash_ir.interpreter import BindError, RunResult, WeightLoader, storage_shape
 from dflash_ir.ir import Graph, Value
 from dflash_ir.passes.plan_memory import slot_bytes
+from dflash_ir.program import BindError, DeviceArray, RunResult, WeightLoader, check_weight
+from dflash_ir.quant import storage_shape
 
 from .plan import LAYOUTS, Check, Plan, compile_expr, symbol_param
 
@@ -50,51 +51,6 @@ class Device(Protocol):
     # a device that has it keeps states on the device between calls
     # optional: `memory`, equal for devices whose buffers one another's `copy` can read
     # (the programs of one load); default: the device itself
-
-
-class DeviceArray:
-    """A state or output that stays in a device buffer between calls (bytes from `offset`),
-    valid until its program runs again. The runtime only takes rows of it (an int or a
-    step-1 slice of the first axis: a per-row state, the accepted rows' features) and passes
-    it back in; any other use reads it to the host first (`np.asarray`)."""
-
-    def __init__(self, device, buffer, shape: tuple[int, ...], dtype: np.dtype, offset: int = 0):
-        self.device, self.buffer, self.offset = device, buffer, offset
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, i: int | slice) -> "DeviceArray":
-        row_bytes = self.nbytes // len(self) if len(self) else 0
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                raise IndexError(f"DeviceArray takes contiguous rows only, got step {step}")
-            return DeviceArray(self.device, self.buffer, (max(0, stop - start), *self.shape[1:]), self.dtype,
-                               self.offset + start * row_bytes)
-        if not isinstance(i, (int, np.integer)) or not -len(self) <= i < len(self):
-            raise IndexError(f"DeviceArray supports an in-range int index or a slice on its first axis, got {i!r}")
-        return DeviceArray(self.device, self.buffer, self.shape[1:], self.dtype,
-                           self.offset + (int(i) % len(self)) * row_bytes)
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = np.empty(self.shape, self.dtype)
-        if out.size:
-            source = self.buffer
-            if self.offset:
-                source = self.device.alloc(max(4, self.nbytes))
-                self.device.copy(self.buffer, self.offset, source, 0, self.nbytes)
-            self.device.download(source, out)
-        return out if dtype is None else out.astype(dtype)
-
-    def __repr__(self) -> str:
-        return f"DeviceArray({self.dtype}{list(self.shape)})"
 
 
 class Resident:
@@ -156,10 +112,7 @@ class DeviceProgram:
 
     def _storage(self, w, weights: WeightLoader) -> np.ndarray:
         arr = np.ascontiguousarray(weights(w))
-        expected = storage_shape(w.value, {})
-        if tuple(arr.shape) != expected or arr.dtype != w.value.type.dtype.numpy():
-            raise BindError(f"{self.graph.name}: weight {w.source}:{w.tensor} loaded as {arr.dtype}{list(arr.shape)}, "
-                            f"graph declares {w.value.type} (storage {w.value.type.dtype.numpy()}{list(expected)})")
+        check_weight(self.graph, w, arr)
         return arr
 
     def _upload(self, arr: np.ndarray):
@@ -302,7 +255,7 @@ class DeviceProgram:
 
         def read(name: str, keep: bool = False):
             v = self.values[name]
-            shape, dtype = storage_shape(v, bindings), v.type.dtype.numpy()
+            shape, dtype = storage_shape(v.type.concrete(bindings), v.type.dtype), v.type.dtype.numpy()
             if keep and self._keeps_states:
                 return DeviceArray(self.device, buffers[self._root(name)], shape, dtype)
             out = np.empty(shape, dtype=dtype)
@@ -347,5 +300,5 @@ def _launch_each(device: Device, launches: list[tuple]) -> None:
 
 
 def _nbytes(v: Value, bindings: Mapping[str, int]) -> int:
-    shape = storage_shape(v, bindings)
+    shape = storage_shape(v.type.concrete(bindings), v.type.dtype)
     return max(4, int(np.prod(shape, dtype=np.int64)) * v.type.dtype.numpy().itemsize)

@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from dflash_ir import cache
+
 # Ampere, Ada, Hopper (H100/H200); $DFLASH_IR_CUDA_ARCHS (e.g. "sm_90") narrows it for a known GPU
 CUBIN_ARCHS = tuple(os.environ.get("DFLASH_IR_CUDA_ARCHS", "sm_80,sm_89,sm_90").split(","))
 PTX_ARCH = "compute_80"                     # JIT-compiled by the driver on any newer GPU
@@ -31,7 +33,7 @@ class CompileError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_IR_KERNEL_CACHE", Path.home() / ".cache" / "dflash-ir" / "kernels"))
+    return cache.cache_dir("kernels", "DFLASH_IR_KERNEL_CACHE")
 
 
 def cached_build(key: str, build: Callable[[Path], None]) -> bytes:

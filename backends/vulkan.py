@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dflash_ir.integrity import artifact_file
-from dflash_ir.interpreter import WeightLoader
 from dflash_ir.ir import Graph
+from dflash_ir.program import WeightLoader
 
 from .base import Backend, BackendUnavailable, register_backend
 from .lowering import lower

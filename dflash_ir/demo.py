@@ -3,47 +3,23 @@ generate with speculative decoding, and compare with target-only decoding.
 
 The default pair is the shipped demo pair in demo/ (a small qwen35 coder target trained on the
 Python standard library and its DFlash draft, see demo/README.md), prompted with the head of a
-function from a held-out stdlib file. `--kind dense|moe` uses the oracle fixture pair in
-../shared/fixtures instead (tiny random-weight models whose draft was trained on their own
-outputs: the text is gibberish by design, acceptance is real); without the fixtures, a random
-pair is generated (acceptance then stays near zero).
+function from a held-out stdlib file. Any other pair runs the same way through
+`dflash-run -m TARGET.gguf -md DRAFT.gguf` (text, then the same stats).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from dflash_ir.artifact import compile_pair, load_compiled
+from dflash_ir.cache import cache_dir
 from dflash_ir.cli.compile import resolve_backend
-from dflash_ir.fixtures import FixtureError, OracleFixtures, cache_root
 from dflash_ir.runtime.sampling import SamplingParams
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 CODER = (DEMO_DIR / "coder-target-q8_0.gguf", DEMO_DIR / "coder-dflash-q8_0.gguf")
-FIXTURE_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
-
-
-def demo_pair(kind: str) -> tuple[Path, Path, str]:
-    if kind == "coder":
-        if not all(p.is_file() for p in CODER):
-            raise SystemExit(f"demo: the shipped pair {CODER[0].name} / {CODER[1].name} is missing from {DEMO_DIR}; "
-                             f"retrain it with `make train-demo`, or use --kind dense")
-        return *CODER, "shipped demo pair 'coder' (qwen35 target trained on the Python stdlib + its DFlash draft)"
-    try:
-        fx = OracleFixtures()
-        return (fx.gguf(f"{kind}/gguf/{kind}-target-f16.gguf"), fx.gguf(f"{kind}/gguf/{kind}-dflash-f16.gguf"),
-                f"oracle fixture pair '{kind}' (random weights, draft trained on the target's outputs)")
-    except FixtureError as e:
-        from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
-
-        d = Path(tempfile.mkdtemp(prefix="dflash-ir-demo-"))
-        tcfg = tiny_target_config("qwen35moe" if kind == "moe" else "qwen35")
-        write_target(d / "target.gguf", tcfg, dtype="q8_0")
-        write_draft(d / "draft.gguf", tiny_draft_config(tcfg), target_cfg=tcfg, dtype="f16")
-        return d / "target.gguf", d / "draft.gguf", f"a generated random pair ({e})"
 
 
 def heldout_prompt() -> tuple[str, str]:
@@ -54,21 +30,24 @@ def heldout_prompt() -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_ir.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--kind", choices=["coder", "dense", "moe"], default="coder")
     p.add_argument("--backend", default="auto")
     p.add_argument("-n", "--n-predict", type=int, default=96)
-    p.add_argument("-p", "--prompt", help="default: a held-out stdlib function head (coder), else a fibonacci head")
+    p.add_argument("-p", "--prompt", help="default: a held-out stdlib function head")
     args = p.parse_args(argv)
 
-    target, draft, what = demo_pair(args.kind)
+    target, draft = CODER
+    if not (target.is_file() and draft.is_file()):
+        raise SystemExit(f"demo: the shipped pair {target.name} / {draft.name} is missing from {DEMO_DIR}; "
+                         f"retrain it with `make train-demo`")
     prompt, origin = args.prompt, "given"
     if prompt is None:
-        prompt, origin = heldout_prompt() if args.kind == "coder" else (FIXTURE_PROMPT, "built in")
-        origin = f"held out from training: {origin}" if args.kind == "coder" else origin
+        prompt, origin = heldout_prompt()
+        origin = f"held out from training: {origin}"
     backend = resolve_backend(args.backend)
-    print(f"demo: {what}\ndemo: target {target}\ndemo: draft  {draft}\ndemo: backend {backend}\n"
+    print(f"demo: shipped demo pair 'coder' (qwen35 target trained on the Python stdlib + its DFlash draft)\n"
+          f"demo: target {target}\ndemo: draft  {draft}\ndemo: backend {backend}\n"
           f"demo: prompt ({origin})", flush=True)
-    out = cache_root().parent / "demo" / f"{args.kind}-{backend}"
+    out = cache_dir("demo") / f"coder-{backend}"
     compile_pair(target, draft, out=out, backend=backend, n_ctx=512,
                  progress=lambda msg: print(f"dflash-compile: {msg}", flush=True))
     engine = load_compiled(out)

@@ -3,38 +3,19 @@
 It is the living definition of a graph's meaning and the oracle every backend is tested
 against. Weights are bound lazily through a loader (`(Weight) -> storage array`, e.g. a
 view into a memory-mapped GGUF); nodes that depend on weights only (such as dequantising
-a weight) are computed once per interpreter and reused across calls.
+a weight) are computed once per interpreter and reused across calls. An Interpreter is a
+`dflash_ir.program.Program` (what the numpy backend loads).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Collection, Mapping
+from typing import Collection, Mapping
 
 import numpy as np
 
-from .ir import Graph, Value, Weight
+from .ir import Graph, Value
 from .ops.registry import get_op
-
-WeightLoader = Callable[[Weight], np.ndarray]
-
-
-class BindError(ValueError):
-    """Arrays passed to a graph do not match its declared inputs or states."""
-
-
-@dataclass
-class RunResult:
-    outputs: dict[str, np.ndarray]
-    states: dict[str, np.ndarray]
-    bindings: dict[str, int]
-
-
-def storage_shape(v: Value, bindings: Mapping[str, int]) -> tuple[int, ...]:
-    shape = v.type.concrete(bindings)
-    dt = v.type.dtype
-    if dt.is_block and shape:
-        return (*shape[:-1], dt.storage_bytes(shape[-1]))
-    return shape
+from .program import BindError, RunResult, WeightLoader, check_weight
+from .quant import storage_shape
 
 
 class Interpreter:
@@ -50,10 +31,7 @@ class Interpreter:
         if name not in self._cache:
             w = self._weights[name]
             arr = self._load_weight(w)
-            expected = storage_shape(w.value, {})
-            if tuple(arr.shape) != expected or arr.dtype != w.value.type.dtype.numpy():
-                raise BindError(f"{self.graph.name}: weight {w.source}:{w.tensor} loaded as {arr.dtype}{list(arr.shape)}, "
-                                f"graph declares {w.value.type} (storage {w.value.type.dtype.numpy()}{list(expected)})")
+            check_weight(self.graph, w, arr)
             self._cache[name] = arr
         return self._cache[name]
 
@@ -97,7 +75,8 @@ class Interpreter:
             if len(results) != len(node.outputs):
                 raise RuntimeError(f"{g.name}: op {node.op} returned {len(results)} arrays for {len(node.outputs)} outputs")
             for v, arr in zip(node.outputs, results):
-                expected = storage_shape(v, {**bindings, **_fresh_symbols(v, arr, bindings)})
+                shape = v.type.concrete({**bindings, **_fresh_symbols(v, arr, bindings)})
+                expected = storage_shape(shape, v.type.dtype)
                 if tuple(arr.shape) != expected:
                     raise RuntimeError(f"{g.name}: op {node.op} produced %{v.name} with shape {list(arr.shape)}, "
                                        f"declared {v.type} = {list(expected)}")

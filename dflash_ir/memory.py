@@ -18,8 +18,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from .errors import DflashError
-from .interpreter import storage_shape
 from .ir import Graph, Weight
+from .quant import storage_shape
 
 PREFILL_CHUNK = 512   # TargetRunner.prefill's chunk
 GIB = 1 << 30
@@ -79,7 +79,8 @@ def check_memory(need: MemoryNeed, where: str, available: int | None = None) -> 
 
 
 def _nbytes(v, bindings: Mapping[str, int]) -> int:
-    return int(np.prod(storage_shape(v, bindings), dtype=np.float64)) * v.type.dtype.numpy().itemsize
+    shape = storage_shape(v.type.concrete(bindings), v.type.dtype)
+    return int(np.prod(shape, dtype=np.float64)) * v.type.dtype.numpy().itemsize
 
 
 def _gib(n: int) -> str:

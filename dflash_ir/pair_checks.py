@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from .errors import ArtifactError
-from .interpreter import storage_shape
 from .ir import Graph, Weight
 from .memory import check_memory, memory_need
 from .models.checks import MAX_POSITIONS
+from .quant import storage_shape
 
 SAMPLE_CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -69,7 +69,7 @@ def check_weights(graphs: Mapping[str, Graph], files: Mapping[str, Any], where: 
             if info is None:
                 raise ArtifactError(f"{where}: graph {name} reads tensor {w.tensor!r} of {w.source!r}, which the "
                                     "source GGUFs do not have")
-            want = (w.value.type.dtype, storage_shape(w.value, {}))
+            want = (w.value.type.dtype, storage_shape(w.value.type.concrete({}), w.value.type.dtype))
             if (info.dtype, info.storage_shape) != want:
                 raise ArtifactError(f"{where}: graph {name} declares {w.tensor!r} as {w.value.type}, the "
                                     f"{w.source} GGUF holds {info.dtype.value} {list(info.shape)}")

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .checks import check_draft, check_layer_count, check_target
-from .gguf_file import GGUFFile, squeeze_shape
+from .gguf_file import GGUFFile
 from .metadata import (
     DRAFT_ARCH,
     DRAFT_KEYS,
-    MASK_TOKEN_KEYS,
     MOE_FIELDS,
     TARGET_KEYS,
     MetadataReader,
@@ -26,12 +25,6 @@ from .metadata import (
     check_arch,
     read_mask_id,
 )
-from .tensors import converter_keeps_f32, expected_tensors, mtp_tensors, validate_tensors
-
-# models/generator.py imports these from here; tests and the artifact builder import the errors
-__all__ = ["DEFAULT_FULL_ATTENTION_INTERVAL", "DRAFT_ARCH", "MASK_TOKEN_KEYS", "DraftConfig", "ModelConfigError",
-           "TargetConfig", "check_draft", "check_target", "converter_keeps_f32", "expected_tensors",
-           "interval_pattern", "mtp_tensors", "squeeze_shape", "validate_tensors"]
 
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default when the key is absent
 

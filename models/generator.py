@@ -40,20 +40,11 @@ import numpy as np
 from dflash_ir import quant
 from dflash_ir.dtypes import GGML_TYPE_IDS, DType
 
-from .config import (
-    DEFAULT_FULL_ATTENTION_INTERVAL,
-    DRAFT_ARCH,
-    MASK_TOKEN_KEYS,
-    DraftConfig,
-    TargetConfig,
-    check_draft,
-    check_target,
-    converter_keeps_f32,
-    expected_tensors,
-    interval_pattern,
-    mtp_tensors,
-    squeeze_shape,
-)
+from .checks import check_draft, check_target
+from .config import DEFAULT_FULL_ATTENTION_INTERVAL, DraftConfig, TargetConfig, interval_pattern
+from .gguf_file import squeeze_shape
+from .metadata import DRAFT_ARCH, MASK_TOKEN_KEYS
+from .tensors import converter_keeps_f32, expected_tensors, mtp_tensors
 from .tokenizer import BYTE_TO_UNICODE, TokenType
 
 # Requested file type -> (storage type of quantisable tensors, general.file_type = llama_ftype).

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ir.fixtures import FixtureError, OracleFixtures
+from oracle_fixtures import FixtureError, OracleFixtures
 from dflash_ir.models.agreeing import write_agreeing_pair
 from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
 

@@ -9,8 +9,8 @@ from dflash_ir.artifact import open_engine
 from dflash_ir.cli import compile as compile_cli
 from dflash_ir.cli import run as run_cli
 from dflash_ir.errors import ArtifactError, ContextOverflowError
-from dflash_ir.models.config import ModelConfigError
 from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
+from dflash_ir.models.metadata import ModelConfigError
 
 PROMPT = [5, 77, 123, 9, 250]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from dflash_ir.interpreter import WeightLoader
 from dflash_ir.ir import Graph
+from dflash_ir.program import WeightLoader
 
 from ..base import Backend, BackendUnavailable, register_backend
 from ..plan import Launch, Plan, Step

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dflash_ir.fixtures import cache_root
+from dflash_ir.cache import cache_dir
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "demo"
 
@@ -45,7 +45,7 @@ def synthetic_model(*, small: bool = False, progress: Callable[[str], None] = la
 
     name = "synthetic-small" if small else "synthetic"
     shape = SMALL_SHAPE if small else SYNTHETIC_SHAPE
-    folder = cache_root().parent / "bench" / name
+    folder = cache_dir("bench") / name
     target, draft = folder / "target-q8_0.gguf", folder / "dflash-q8_0.gguf"
     if not (target.is_file() and draft.is_file()):
         progress(f"generating the {name} pair into {folder} (once)")

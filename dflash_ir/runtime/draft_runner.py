@@ -9,14 +9,14 @@ from typing import Mapping
 
 import numpy as np
 
-from dflash_ir.backends.runner import DeviceArray
 from dflash_ir.errors import ContextOverflowError
+from dflash_ir.program import DeviceArray, Program
 
 from .state import zero_states
 
 
 class DraftRunner:
-    def __init__(self, programs: Mapping[str, object], n_ctx: int, *, block_size: int, mask_token_id: int):
+    def __init__(self, programs: Mapping[str, Program], n_ctx: int, *, block_size: int, mask_token_id: int):
         self.programs = programs
         self.n_ctx = n_ctx
         self.block_size = block_size

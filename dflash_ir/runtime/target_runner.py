@@ -16,6 +16,7 @@ from typing import Mapping
 import numpy as np
 
 from dflash_ir.errors import ContextOverflowError
+from dflash_ir.program import Program
 
 from .state import zero_states
 
@@ -47,7 +48,7 @@ class TargetOutput:
 
 
 class TargetRunner:
-    def __init__(self, programs: Mapping[str, object], n_ctx: int):
+    def __init__(self, programs: Mapping[str, Program], n_ctx: int):
         self.programs = programs
         self.n_ctx = n_ctx
         self._row_state = dict(programs["verify"].graph.meta_dict.get("row_states", ()))

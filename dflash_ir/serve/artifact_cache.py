@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_ir import __version__
+from dflash_ir.cache import cache_dir
 from dflash_ir.errors import ArtifactError
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-ir" / "serve"
+    return cache_dir("serve")
 
 
 def cache_folder(cache_dir: Path, target: Path, draft: Path | None, *, backend: str, n_ctx: int,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 
-from dflash_ir.backends.runner import DeviceArray
+from dflash_ir.program import DeviceArray
 from dflash_ir.runtime.draft_runner import DraftRunner
 from dflash_ir.runtime.engine import Engine
 from dflash_ir.runtime.target_runner import TargetOutput, TargetRunner

@@ -5,11 +5,12 @@ import numpy as np
 
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.opencl import CLDevice
-from dflash_ir.backends.runner import DeviceArray, DeviceProgram, Resident
+from dflash_ir.backends.runner import DeviceProgram, Resident
 from dflash_ir.benchmark.kernels import gdn_case
 from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
 from dflash_ir.interpreter import Interpreter
+from dflash_ir.program import DeviceArray
 
 
 class CountingDevice:

@@ -8,10 +8,11 @@ import pytest
 
 from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
-from dflash_ir.interpreter import BindError, Interpreter
+from dflash_ir.interpreter import Interpreter
 from dflash_ir.ir import Graph, Node, State, Value
 from dflash_ir.ops.registry import OpError
 from dflash_ir.printer import ParseError, format_graph, parse_graph
+from dflash_ir.program import BindError
 from dflash_ir.quant import quantize
 from dflash_ir.serialize import dump_yaml, load_yaml
 from dflash_ir.types import TensorType, parse_type

@@ -12,8 +12,8 @@ from dflash_ir.errors import ArtifactError
 from dflash_ir.integrity import MANIFEST
 from dflash_ir.memory import MemoryLimitError
 from dflash_ir.models.chat_template import ChatTemplateError
-from dflash_ir.models.config import ModelConfigError
 from dflash_ir.models.gguf_file import GGUFError
+from dflash_ir.models.metadata import ModelConfigError
 
 
 def test_a_small_file_declaring_10_8_layers_is_refused_before_any_per_layer_table(tmp_path, deadline):

@@ -15,8 +15,8 @@ from dflash_ir import integrity
 from dflash_ir.artifact import compile_pair, load_compiled, open_engine
 from dflash_ir.cli import run as run_cli
 from dflash_ir.errors import ArtifactError
-from dflash_ir.models.config import ModelConfigError
 from dflash_ir.models.gguf_file import GGUFError
+from dflash_ir.models.metadata import ModelConfigError
 from dflash_ir.models.tokenizer import TokenizerError
 
 PROMPT = [5, 77, 123, 9, 250]

@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 from dflash_ir.models.checks import check_pair
-from dflash_ir.models.config import DraftConfig, ModelConfigError, TargetConfig
+from dflash_ir.models.config import DraftConfig, TargetConfig
+from dflash_ir.models.metadata import ModelConfigError
 from dflash_ir.models.tensors import expected_tensors, validate_tensors
 from dflash_ir.models.generator import (
     TINY_MASK_ID,

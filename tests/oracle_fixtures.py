@@ -1,5 +1,8 @@
 """The shared oracle fixtures (../shared/fixtures beside the clone): locating them and
-decompressing their xz-stored GGUFs once into a cache, verified against their sha256."""
+decompressing their xz-stored GGUFs once into a cache, verified against their sha256.
+
+Test machinery, not part of the installed package: tests/conftest.py's `oracle_*` fixtures
+are the way tests reach it."""
 from __future__ import annotations
 
 import json
@@ -9,7 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .hashing import sha256_file
+from dflash_ir.cache import cache_dir
+from dflash_ir.hashing import sha256_file
 
 _CHUNK = 1 << 20
 
@@ -26,9 +30,8 @@ def fixtures_root() -> Path:
 
 
 def cache_root() -> Path:
-    if env := os.environ.get("DFLASH_IR_CACHE"):
-        return Path(env)
-    return Path.home() / ".cache" / "dflash-ir" / "oracle"
+    """`$DFLASH_IR_CACHE`, else the dflash-ir cache's `oracle/` folder."""
+    return cache_dir("oracle", "DFLASH_IR_CACHE")
 
 
 def _matches(path: Path, entry: dict) -> bool:

@@ -92,6 +92,9 @@ class ScriptedLengths:
     def choose(self, n_max):
         return next(self.lengths)
 
+    def decoding(self, idle):
+        return False
+
     def observe(self, proposed, accepted):
         pass
 

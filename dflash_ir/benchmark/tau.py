@@ -7,8 +7,8 @@ tokens. For each tau the same prompt is generated three ways: target-only, with 
 proposals every round (fixed), and with the cost-aware length (after one untimed generation
 in which the controller learns this draft's acceptance). The three run in turn `repeats`
 times and each keeps its fastest run: other work on a shared machine only ever adds time.
-Target-only decoding does not depend on tau, so every point is compared with the fastest
-target-only run of the whole sweep.
+(Each point's target-only figure is its own best of `repeats`: the fastest of the whole
+sweep would be a best of many more runs, and flatter the baseline.)
 Greedy, so both speculative runs must give the target-only tokens: a difference is an
 error, not a number.
 """
@@ -62,7 +62,7 @@ class TauPoint:
     model: str
     tau: int
     tokens: int
-    decode_tps: float        # target only: the sweep's fastest run
+    decode_tps: float        # target only
     fixed_tps: float         # B-1 proposals every round
     adaptive_tps: float      # the cost-aware length
     lengths: dict[int, int]  # cost-aware: proposals verified per step (0 = decode) -> steps
@@ -97,7 +97,7 @@ def run_tau_sweep(backend: str, model: BenchModel, work_dir, *, taus: Sequence[i
     known = engine.generate(prompt_ids=ids, max_tokens=n + block, speculative=False, ignore_eos=True).tokens
     want = known[:n]
     network = engine.draft
-    measured = []
+    points = []
     try:
         for tau in taus:
             engine.draft = ScriptedDraft(network, ids + known, tau - 1)
@@ -110,12 +110,11 @@ def run_tau_sweep(backend: str, model: BenchModel, work_dir, *, taus: Sequence[i
                         "adaptive": _checked(engine, ids, want, n_max=block - 1, adaptive=True)}
                 best = {k: max(best[k], after_first_tps(gen)) for k, gen in runs.items()}
             lengths = runs["adaptive"].stats.lengths
-            measured.append((tau, best, {k: lengths.count(k) for k in sorted(set(lengths))}))
+            points.append(TauPoint(backend, model.name, tau, n, best["plain"], best["fixed"], best["adaptive"],
+                                   {k: lengths.count(k) for k in sorted(set(lengths))}))
     finally:
         engine.draft = network
-    decode = max(best["plain"] for _, best, _ in measured)
-    return costs, [TauPoint(backend, model.name, tau, n, decode, best["fixed"], best["adaptive"], lengths)
-                   for tau, best, lengths in measured]
+    return costs, points
 
 
 def _checked(engine, ids, want, **kw):

@@ -14,11 +14,14 @@ by DECAY per round, so the estimates follow the text being generated.
 
 A round takes the k in 0..n_max with the highest rate (the shortest on a tie).
 
-Decoding teaches nothing about the draft, so the controller also probes: each decode step it
-chooses earns EXPLORE of its cost as credit, and once the credit pays for a probe, the round
-speculates with the length that would be best if the draft were always right. Probes thus
-cost at most EXPLORE of the time spent decoding. When even that best case does not beat
-decoding (`can_pay` is false), the controller never speculates.
+Decoding verifies nothing, so while it decodes the engine drafts in the shadow now and then:
+it runs the draft block once and scores its proposals against the tokens the target then
+decodes, one per step, which is what a verify would have accepted, at the cost of a draft
+block and no verify. Each decode step earns EXPLORE of its cost as credit and a shadow draft
+spends the cost of a draft block; the first decode step of a controller's life has one ready,
+so a draft that agrees is found within a block of tokens, and shadow drafts cost at most
+EXPLORE of the time spent decoding after that. When even a draft that is always right could
+not beat decoding (`can_pay` is false), the engine never drafts.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from .costs import SpecCosts
 PRIOR_ACCEPT = 0.75  # before any round: 15 proposals give tau ~ 4, the low end of published DFlash drafts
 PRIOR_ROUNDS = 2.0   # weight of the prior, in observed rounds
 DECAY = 0.95         # per round: the estimates remember the last ~20 rounds
-EXPLORE = 0.03       # share of decoding time that probes may spend
+EXPLORE = 0.03       # share of decoding time that shadow drafts may spend
 
 
 class LengthController:
@@ -37,10 +40,9 @@ class LengthController:
         self.costs = costs
         self.trials = np.zeros(costs.max_proposals)
         self.hits = np.zeros(costs.max_proposals)
-        self.credit = 0.0  # seconds of probing earned by decode steps
+        self.credit = costs.draft  # seconds of shadow drafting earned: the first decode step has one
         # seconds of a round verifying k proposals, k = 0 (a decode step) .. B-1
         self.seconds = np.array([costs.decode, *(costs.draft + v for v in costs.verify[1:])])
-        self._best_case: dict[int, int] = {}
 
     def acceptance(self) -> np.ndarray:
         """p_i for i = 1..B-1 (index i-1)."""
@@ -57,26 +59,20 @@ class LengthController:
     def best(self, n_max: int, acceptance: np.ndarray) -> int:
         return int(np.argmax(self.rates(acceptance)[:n_max + 1]))
 
-    def best_case(self, n_max: int) -> int:
-        """The best length if every proposal were accepted (0: speculation never pays here)."""
-        if n_max not in self._best_case:
-            self._best_case[n_max] = self.best(n_max, np.ones(self.costs.max_proposals))
-        return self._best_case[n_max]
-
     def can_pay(self, n_max: int) -> bool:
-        return self.best_case(n_max) > 0
+        """Whether a draft that is always right would beat decoding at some length up to n_max."""
+        return self.best(n_max, np.ones(self.costs.max_proposals)) > 0
 
     def choose(self, n_max: int) -> int:
         """Proposals to verify this round (0: decode), at most n_max."""
-        k = self.best(n_max, self.acceptance())
-        if k:
-            return k
-        probe = self.best_case(n_max)
-        if probe and self.credit >= self.seconds[probe]:
-            self.credit -= self.seconds[probe]
-            return probe
-        self.credit += EXPLORE * self.costs.decode
-        return 0
+        return self.best(n_max, self.acceptance())
+
+    def decoding(self, idle: bool) -> bool:
+        """Book a decode step; whether it also drafts in the shadow: when no shadow draft is
+        being scored (`idle`) and the credit pays for a block."""
+        shadow = idle and self.credit >= self.costs.draft
+        self.credit += EXPLORE * self.costs.decode - (self.costs.draft if shadow else 0.0)
+        return shadow
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Record a round that verified `proposed` proposals and accepted `accepted`."""

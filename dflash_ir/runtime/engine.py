@@ -18,7 +18,9 @@ How many proposals a round verifies: n_max every round (`adaptive=False`), or, w
 engine knows its costs (`costs`, measured at load), the number with the most expected
 tokens per second, down to 0: a plain target decode step (runtime/controller.py). A decode
 step's features are read to the host (its buffer is reused by the next step) and injected
-into the draft before the next speculative round.
+into the draft before it next runs. While decoding, the draft now and then proposes a block
+in the shadow: its proposals are scored against the tokens decoded next, so the controller
+learns the draft's acceptance without paying for a verify.
 """
 from __future__ import annotations
 
@@ -153,6 +155,7 @@ class Engine:
             return
         drafting = speculative and (not adaptive or self.controller.can_pay(n_max))
         feed = _DraftFeed(self.draft, out.device_features) if drafting else None
+        shadow = None  # a block drafted while decoding, being scored
 
         while True:
             start = self.target.n_past  # position of the anchor `token`
@@ -179,13 +182,23 @@ class Engine:
                 self.last_rounds.append({"anchor_pos": start, "anchor": token, "proposals": proposals, "accepted": accepted})
                 feed.add(out.device_features[:accepted + 1] if out.device_features is not None else None)
                 new = [*proposals[:accepted], bonus]
+                shadow = None
             else:
+                if drafting and adaptive and room > 1 and self.controller.decoding(idle=shadow is None):
+                    with stats.timed("draft"):
+                        feed.flush()
+                        shadow = _Shadow(self.draft.propose(token)[:min(n_max, room - 1)])
+                    stats.shadow_drafts += 1
                 with stats.timed("decode"):
                     out = self.target.decode(token)
                     if feed is not None:
                         feed.add(out.features)
                 with stats.timed("sample"):
                     new = [_sample(sampler, out, -1)]
+                verdict = shadow.score(new[0]) if shadow is not None else None
+                if verdict is not None:
+                    self.controller.observe(*verdict)
+                    shadow = None
             if speculative:
                 stats.record_length(k)
             token = new[-1]
@@ -194,6 +207,22 @@ class Engine:
                 yield emitted
             if stopper.done:
                 return
+
+
+class _Shadow:
+    """Proposals drafted while decoding, scored against the tokens the target decodes next: the
+    first that differs is where a verify would have stopped accepting."""
+
+    def __init__(self, proposals):
+        self.proposals = [int(t) for t in proposals]
+        self.matched = 0
+
+    def score(self, token: int) -> tuple[int, int] | None:
+        """(proposed, accepted) once known, else None."""
+        if token != self.proposals[self.matched]:
+            return len(self.proposals), self.matched
+        self.matched += 1
+        return (len(self.proposals), self.matched) if self.matched == len(self.proposals) else None
 
 
 class _DraftFeed:

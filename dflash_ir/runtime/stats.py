@@ -18,6 +18,7 @@ class GenerationStats:
     accept_hist: Counter = field(default_factory=Counter)  # accepted proposals per round -> count
     policy: str = ""  # how speculative rounds chose their length: "fixed" (n_max) or "cost-aware"
     lengths: list[int] = field(default_factory=list)  # per step after the first token: proposals verified, 0 = decode step
+    shadow_drafts: int = 0  # blocks drafted while decoding, to learn the draft's acceptance
     seconds: Counter = field(default_factory=Counter)  # phase -> seconds
     stop_reason: str = ""
 
@@ -81,7 +82,8 @@ class GenerationStats:
         if self.lengths:
             chosen = Counter(self.lengths)
             split = " ".join(f"{'decode' if k == 0 else k}:{chosen[k]}" for k in sorted(chosen))
-            lines.append(f"proposals verified per step ({self.policy}): {split}")
+            shadow = f"; shadow drafts: {self.shadow_drafts}" if self.shadow_drafts else ""
+            lines.append(f"proposals verified per step ({self.policy}): {split}{shadow}")
         total = sum(self.seconds.values()) or 1.0
         split = ", ".join(f"{k} {v:.3f}s ({v / total:.0%})" for k, v in sorted(self.seconds.items()))
         lines.append(f"time: {split}")
@@ -93,6 +95,7 @@ class GenerationStats:
             "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "tau": self.tau,
             "acceptance_rate": self.acceptance_rate, "accept_hist": dict(sorted(self.accept_hist.items())),
             "policy": self.policy, "lengths": list(self.lengths), "decode_steps": self.decode_steps,
+            "shadow_drafts": self.shadow_drafts,
             "seconds": dict(self.seconds), "prefill_tps": self.prefill_tps, "generate_tps": self.generate_tps,
             "stop_reason": self.stop_reason,
         }

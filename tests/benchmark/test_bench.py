@@ -121,7 +121,6 @@ def test_tau_suite_measures_every_acceptance_length_with_both_lengths(tmp_path):
                      "--models", "synthetic", "--taus", "1,16", "-o", str(out)]) == 0
     r = json.loads((out / "results.json").read_text())
     assert r["failures"] == [] and [t["tau"] for t in r["tau"]] == [1, 16]
-    assert len({t["decode_tps"] for t in r["tau"]}) == 1  # the sweep's fastest target-only run
     for t in r["tau"]:
         assert t["decode_tps"] > 0 and t["fixed_speedup"] == pytest.approx(t["fixed_tps"] / t["decode_tps"])
         assert t["adaptive_speedup"] == pytest.approx(t["adaptive_tps"] / t["decode_tps"])

@@ -24,10 +24,9 @@ import numpy as np
 from .draft_runner import DraftRunner
 from .target_runner import TargetRunner
 
-MEASURE_CONTEXT = 32   # committed tokens the costs are measured on top of (fewer in a small context)
-MEASURE_BUDGET_S = 1.0  # timed passes after the warm-up pass stop once this is spent
-MAX_PASSES = 5
-_FORMAT = 2  # 2: fastest pass, verify costs non-decreasing in k
+MEASURE_CONTEXT = 32  # committed tokens the costs are measured on top of (fewer in a small context)
+TIMED = 2             # timed calls per figure, after one untimed call
+_FORMAT = 3  # 3: calls timed in the order generation makes them
 
 
 @dataclass(frozen=True)
@@ -49,45 +48,41 @@ class SpecCosts:
                 f"verify of k rows (ms) {steps}")
 
 
-def measure_round_costs(target: TargetRunner, draft: DraftRunner, *, budget_s: float = MEASURE_BUDGET_S) -> SpecCosts:
-    """Times every call a round can make: one untimed pass (first calls build launch lists and
-    kernels), then passes until `budget_s` is spent (at least one, at most MAX_PASSES). Each
-    figure is its fastest pass (other work on the machine only ever adds time), and a verify
-    of k rows costs at most what a longer verify costs (which removes what noise still adds).
-    Leaves both runners reset."""
+def measure_round_costs(target: TargetRunner, draft: DraftRunner) -> SpecCosts:
+    """Times the calls in the order generation makes them, since a call after another program
+    or size can cost several times a repeated one (PoCL): decode steps back to back, and for
+    each k a draft block followed by a verify of k rows, one untimed pair then TIMED pairs.
+    A figure is its fastest call (other work on the machine only ever adds time), the draft
+    block's the median of all; a verify of k rows costs at most what a longer one costs (which
+    removes what noise still adds). Leaves both runners reset."""
     B = draft.block_size
-    context = min(MEASURE_CONTEXT, target.n_ctx - B - MAX_PASSES - 1)  # room for every decode and a verify
+    context = min(MEASURE_CONTEXT, target.n_ctx - B - TIMED - 1)  # room for the decode steps and a verify
     if context < 1:
-        raise ValueError(f"measuring costs needs a context of more than {B + MAX_PASSES + 1} tokens, this engine "
+        raise ValueError(f"measuring costs needs a context of more than {B + TIMED + 1} tokens, this engine "
                          f"has {target.n_ctx}: compile with a larger one, or load with measure_costs=False")
     _reset(target, draft)
-    draft.inject(target.prefill(np.zeros(context, np.int32)).device_features)
-    fed = {}
-
-    def decode():
-        fed["features"] = target.decode(0).device_features
-
-    def draft_block():
-        draft.inject(fed["features"])
-        draft.propose(0)
-
-    calls: dict[str, Callable[[], object]] = {"decode": decode, "draft": draft_block}
-    calls |= {f"verify{k}": (lambda k=k: target.verify(np.zeros(k, np.int32))) for k in range(1, B + 1)}
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    for name, call in calls.items():  # warm-up
-        call()
-    spent, passes = 0.0, 0
-    while passes < 1 or (spent < budget_s and passes < MAX_PASSES):
-        for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - t0)
-        spent += sum(s[-1] for s in samples.values())
-        passes += 1
+    features = target.prefill(np.zeros(context, np.int32)).device_features  # valid until the next prefill
+    draft.inject(features)
+    decode = [_seconds(lambda: target.decode(0)) for _ in range(TIMED + 1)][1:]
+    drafts, verify = [], []
+    for k in range(1, B + 1):
+        timed = []
+        for _ in range(TIMED + 1):
+            if draft.ctx_len >= draft.n_ctx - 1:
+                draft.reset()
+                draft.inject(features)
+            drafts.append(_seconds(lambda: (draft.inject(features[:1]), draft.propose(0))))
+            timed.append(_seconds(lambda: target.verify(np.zeros(k, np.int32))))
+        verify.append(min(timed[1:]))
     _reset(target, draft)
-    fastest = {name: min(s) for name, s in samples.items()}
-    verify = np.minimum.accumulate([fastest[f"verify{k}"] for k in range(B, 0, -1)])[::-1]
-    return SpecCosts(tuple(float(v) for v in verify), fastest["decode"], fastest["draft"])
+    verify = np.minimum.accumulate(verify[::-1])[::-1]
+    return SpecCosts(tuple(float(v) for v in verify), min(decode), float(np.median(drafts)))
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
 
 
 def _reset(target: TargetRunner, draft: DraftRunner) -> None:

@@ -18,9 +18,9 @@ A plan is lowered for a device class, `profile`: "gpu" (thousands of threads, co
 loads, work-group reductions) or "cpu" (OpenCL on PoCL, Vulkan on lavapipe: a few cores
 that vectorise one work-item's loop). Builders whose best schedule differs read
 `ctx.profile`; the kernels of either profile are correct on any device. `row_streams` is
-how many weight rows a CPU-profile work-item streams at once in a single-row Q8_0 product
-(kernels/linalg.py): 4 for PoCL, 1 for lavapipe, whose shader compiler takes seconds per
-kernel on the unrolled four-stream loops.
+4 for PoCL and 1 for lavapipe, whose shader compiler takes seconds per kernel on wide
+unrolled loops: the CPU attention kernels (kernels/attention.py) take their wide schedule
+only above 1.
 """
 from __future__ import annotations
 

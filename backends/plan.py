@@ -24,13 +24,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from dflash_ir.quant import pack_q8_0_cols16, pack_q8_0_split
+from dflash_ir.quant import pack_q8_0_cols16
 from dflash_ir.types import TensorType
 
 from .kir.ir import Kernel
 
 # weight layouts a kernel may ask for: name -> storage bytes in that layout
-LAYOUTS = {"q8_0_split": pack_q8_0_split, "q8_0_cols16": pack_q8_0_cols16, "as_stored": np.ascontiguousarray}
+LAYOUTS = {"q8_0_cols16": pack_q8_0_cols16, "as_stored": np.ascontiguousarray}
 
 
 def packed_type(types: Sequence[TensorType]) -> TensorType:

@@ -192,6 +192,9 @@ for _dt in (F16, Q8):
         c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))
 case("expert_matmul_per_slot", T=3)(lambda c: c.out(c.b.expert_matmul(
     c.x("x", ("T", 2, 32)), c.w("w", (4, 64, 32), Q8), c.ints("ids", ("T", 2), 4))))
+# 37 rows: three chunks of the CPU tiles, each expert chosen by many rows (tiles of 4, 2 and 1 rows)
+case("expert_matmul_q8_0_shared_experts", T=37)(lambda c: c.out(c.b.expert_matmul(
+    c.x("x", ("T", 64)), c.w("w", (3, 40, 64), Q8), c.ints("ids", ("T", 2), 3))))
 
 # -- rope ---------------------------------------------------------------------------------
 case("rope_partial", T=5)(lambda c: c.out(c.b.rope(c.x("x", ("T", 3, 32)), c.ints("pos", ("T",), 20000),
@@ -382,12 +385,33 @@ case("fused_attention_block_cache_past_new_rows", T=4, C=20)(  # keys on both si
 case("fused_attention_persist_copy", T=3, C=12)(_fused_attention(False, True, read_old=True))
 
 
-@case("fused_moe", T=5)
-def _fused_moe(c: CaseBuilder) -> None:
-    e, w, f = 8, 64, 32
-    c.out(c.b.fused_moe(c.x("x", ("T", w)), c.w("router", (e, w), F16), c.w("gate_exps", (e, f, w), Q8),
-                        c.w("up_exps", (e, f, w), Q8), c.w("down_exps", (e, w, f), Q8), c.w("sh_gate", (f, w), Q8),
-                        c.w("sh_up", (f, w), Q8), c.w("sh_down", (w, f), Q8), c.w("sh_gate_inp", (w,)), k=3))
+def _fused_moe(e: int, k: int, f: int, fs: int, w: int = 64, router: DType = F16, gate_2d: bool = False,
+               ties: bool = False, dt: DType = Q8):
+    """A MoE block: e experts of width f (shared expert fs), top-k, expert weights `dt`. `ties`:
+    integer x and router rows, each repeated (expert i + e/2 = expert i), so logits tie exactly
+    and top-k keeps the lower index first; `gate_2d`: the shared expert's gate weight as [1, H]."""
+    def make(c: CaseBuilder) -> None:
+        x, router_w = c.x("x", ("T", w)), c.w("router", (e, w), router)
+        if ties:
+            c.inputs["x"] = c.rng.integers(-2, 3, c.inputs["x"].shape).astype(np.float32)
+            rows = c.rng.integers(-1, 2, (e // 2, w)).astype(np.float32)
+            c.weights["router"] = quantize(np.concatenate([rows, rows]), router)
+        c.out(c.b.fused_moe(x, router_w, c.w("gate_exps", (e, f, w), dt), c.w("up_exps", (e, f, w), dt),
+                            c.w("down_exps", (e, w, f), dt), c.w("sh_gate", (fs, w), dt), c.w("sh_up", (fs, w), dt),
+                            c.w("sh_down", (w, fs), dt), c.w("sh_gate_inp", (1, w) if gate_2d else (w,)), k=k))
+    return make
+
+
+case("fused_moe", T=5)(_fused_moe(8, 3, 32, 32))
+case("fused_moe_ties", T=6)(_fused_moe(8, 3, 32, 64, router=F32, gate_2d=True, ties=True))
+case("fused_moe_k1", T=5)(_fused_moe(4, 1, 32, 32, gate_2d=True))
+for _t in (1, 16):  # the 35B-A3B's routing: top-8 of many experts
+    case(f"fused_moe_top8_of_64_T{_t}", T=_t)(_fused_moe(64, 8, 32, 64, router=F32))
+# ragged: expert and shared widths differ, 6 groups of outputs (not a multiple of a work-item's units)
+case("fused_moe_ragged", T=5)(_fused_moe(6, 2, 96, 32, w=96, router=BF16))
+# 37 rows of 4 experts, top-2: three chunks, every expert chosen by many rows
+case("fused_moe_many_rows", T=37)(_fused_moe(4, 2, 32, 32))
+case("fused_moe_f16_experts", T=5)(_fused_moe(8, 3, 32, 32, dt=F16))  # no fused kernel: the parts' kernels
 
 
 # -- running ------------------------------------------------------------------------------

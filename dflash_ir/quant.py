@@ -101,15 +101,6 @@ def _quantize_bf16(x: np.ndarray) -> np.ndarray:
 _FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16, DType.Q8_0)
 
 
-def pack_q8_0_split(storage: np.ndarray) -> np.ndarray:
-    """Q8_0 storage (blocks of fp16 d + 32 int8, in row-major block order) in the split
-    layout: every block's 32 quants, then every block's scale (u8 bytes, same size). Block
-    i's quants are at byte 32 i and its scale at 32 n + 2 i, for n blocks: CPU kernels load
-    quants aligned and convert 16 scales at a time. Independent of how the blocks form rows."""
-    blocks = np.ascontiguousarray(storage, dtype=np.uint8).reshape(-1, DType.Q8_0.block_bytes)
-    return np.concatenate([blocks[:, 2:].reshape(-1), blocks[:, :2].reshape(-1)])
-
-
 COLS = 16  # weight rows interleaved by pack_q8_0_cols16: one 16-wide vector per input index
 COLS_BLOCK_BYTES = COLS * 2 + COLS * 32  # a group's block: 16 f16 scales, then 32 x 16 quants
 
@@ -119,8 +110,12 @@ def pack_q8_0_cols16(storage: np.ndarray) -> np.ndarray:
     block b, at byte (g * nb + b) * 544, the 16 rows' f16 scales (32 bytes), then the quants
     for input index k = 32 b + kk at 32 + 16 kk + row (so one 16-byte load holds one input
     index for 16 outputs). Rows past n (to a multiple of 16) are zero: scales 0, quants 0.
-    CPU kernels keep 16 outputs in one vector and stream each group's bytes in order."""
+    CPU kernels keep 16 outputs in one vector and stream each group's bytes in order. A stack
+    of matrices (an expert bank, [E, n, K/32*34]) is packed matrix by matrix, each padded to
+    whole groups, so one expert's rows are a contiguous run of groups."""
     rows = np.ascontiguousarray(storage, dtype=np.uint8)
+    if rows.ndim > 2:
+        return np.concatenate([pack_q8_0_cols16(m) for m in rows.reshape(-1, *rows.shape[-2:])])
     rows = rows.reshape(-1, rows.shape[-1])
     nb = rows.shape[1] // DType.Q8_0.block_bytes
     padded = np.zeros((-(-len(rows) // COLS) * COLS, rows.shape[1]), np.uint8)

@@ -1,5 +1,5 @@
 """Reading and writing values in kernels: raw elements of any dtype's buffer, weights as f32
-in their storage type (f32, f16, bf16, Q8_0 blocks in the GGUF or the split layout), and the
+in their storage type (f32, f16, bf16, Q8_0 blocks as the GGUF stores them), and the
 device functions the ops share."""
 from __future__ import annotations
 
@@ -39,14 +39,6 @@ def weight_at(dtype: DType, buf: Buffer, row: K, col: K, k: Dim) -> K:
         block = cast(I64, row) * q8_row_bytes(k) + (col >> 5) * Q8_BLOCK
         return buf.load(block / 2, "f16") * cast(F32, buf.load(block + 2 + (col & 31), "i8"))
     raise ValueError(f"{dtype} is not a weight dtype")
-
-
-def q8_0_split_at(buf: Buffer, row: K, col: K, k: int, blocks: int) -> K:
-    """f32 value of element (row, col) of a Q8_0 weight with rows of k in the split layout
-    (`blocks` blocks in all: their quants, then their f16 scales; plan.LAYOUTS)."""
-    quant = buf.load(cast(I64, row) * k + col, "i8")
-    scale = buf.load(blocks * 16 + cast(I64, row) * (k // 32) + col / 32, "f16")
-    return cast(F32, quant) * scale
 
 
 def _sigmoid(kb, x: K) -> K:

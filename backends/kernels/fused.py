@@ -1,13 +1,14 @@
-"""Fused ops without a kernel of their own yet, lowered as their parts' kernels (the same
-composition as their references in dflash_ir/ops/fused.py). Written against `ctx.sub`
-alone, so the TVM lowering registers the same composition."""
+"""Fused ops lowered as their parts' kernels (the same composition as their references in
+dflash_ir/ops/fused.py), where no fused kernel exists for their dtypes or device profile.
+Written against `ctx.sub` alone, so the TVM lowering registers the same compositions."""
 from __future__ import annotations
 
-from ..lowering import NodeCtx, lowers
+from ..lowering import NodeCtx
 
 
-@lowers("fused_moe")
-def fused_moe(ctx: NodeCtx) -> None:
+def fused_moe_parts(ctx: NodeCtx) -> None:
+    """fused_moe as its parts: router product, softmax, top-k, renormalisation, expert and
+    shared-expert products, SwiGLU, the gate (kernels/moe.py has the fused kernels)."""
     x, router_w, gate_exps, up_exps, down_exps, sh_gate_w, sh_up_w, sh_down_w, sh_gate_inp_w = ctx.ins
     k = ctx.attr["k"]
     rows, width = x.type.shape

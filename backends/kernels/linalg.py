@@ -1,14 +1,14 @@
-"""Weight-consuming ops: dequantize, embedding, matmul (GEMV and tiled GEMM), expert_matmul.
+"""Weight-consuming ops: dequantize, embedding, matmul (GEMV, tiled GEMM, CPU register tiles);
+expert_matmul and the fused MoE layer are in kernels/moe.py, on the same tiles.
 
 Weights are read in their storage type (f32, f16, bf16 or Q8_0 blocks of fp16 d + 32 int8,
-34 bytes, so only 2-byte aligned: scales and pairs of quants are read as u16). The GEMV and
-the CPU rowwise schedule take a Q8_0 block's scale out of its dot product (d * sum(q * x):
-a third fewer multiplies where the weight read should be the only cost); elsewhere values
-are the reference's d * q exactly.
+34 bytes, so only 2-byte aligned: scales and pairs of quants are read as u16), or on the CPU
+profile as Q8_0 packed for the tiles (quant.pack_q8_0_cols16). The GEMV takes a Q8_0 block's
+scale out of its dot product (d * sum(q * x): a third fewer multiplies where the weight read
+should be the only cost); elsewhere values are the reference's d * q exactly.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,7 +16,7 @@ from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
-from ..kir import F32, I16, I32, I64, K, call, call_function, cast, const, dot4_i8, maximum, minimum, select, vsum
+from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, SIGMOID, q8_row_bytes, weight_at
@@ -30,7 +30,6 @@ TILE = 32         # GEMM output tile (TILE x TILE) and K step
 THREADS = 16      # GEMM work-group is THREADS x THREADS, each thread 2x2 outputs
 ROWWISE_COLS = 128  # CPU schedule: output columns per work-group ...
 ROWWISE_ROWS = 8  # ... and rows per work-item
-SCALE_RUN = 16  # split Q8_0: scales converted per run of this many blocks (one 16-wide load)
 
 # store(row, n, value): the statement writing output column n of row `row`
 Store = Callable[[K, K, K], None]
@@ -72,12 +71,6 @@ def _cols16_at(buf: Buffer, row: K, col: K, k: int) -> K:
     block = (cast(I64, row / COLS) * (k // 32) + col / 32) * COLS_BLOCK_BYTES
     lane = row % COLS
     return cast(F32, buf.load(block + 2 * COLS + (col % 32) * COLS + lane, "i8")) * buf.load(block / 2 + lane, "f16")
-
-
-def _split_q8_0(ctx: NodeCtx, weights: list) -> tuple:
-    """(the Q8_0 weights' rows packed in the split layout, how many blocks the pack holds)."""
-    packed = ctx.packed(weights, "q8_0_split")
-    return packed, math.prod(packed.type.shape) // 32
 
 
 @dataclass(frozen=True)
@@ -261,7 +254,7 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
             if fixed is None or (fixed == 1) == (rows == 1):
                 kb, x, w, store = kernel("matmul_rows", (ROWWISE_COLS,))
                 _rowwise(kb, dtype, M, n, k, rows, store, w, x)
-                kb.launch(rowwise_groups(M, n, rows, 1), when=None if fixed else when)
+                kb.launch(rowwise_groups(M, n, rows), when=None if fixed else when)
         return
     if fixed is None or fixed <= GEMV_ROWS:
         g = Gemv(dtype, k)
@@ -374,29 +367,50 @@ def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict) -> None:
     G = len(slots)
     inv = [kb.let(f"inv{r}", _inverse_rms(kb, x, rows[r] * k, k, t.norm[1], r)) for r in range(R)] if t.norm else []
     acc = {(r, j): kb.let(f"acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(G)}
+    norm_at = None
+    if t.norm:
+        def norm_at(i: K) -> K:
+            return weight_at(t.norm[0].type.dtype, bufs["norm"], const(0), i, k)
+    q8_x = (x, rows) if x_q8 else None
+    tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, b, kk: x[rows[r] * k + b * 32 + kk], norm_at, q8_x)
+    _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
+
+
+def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
+                x_at: Callable[[int, K, K], K], norm_at: Callable[[K], K] | None = None,
+                q8_x: tuple[Buffer, list[K]] | None = None) -> None:
+    """The inner loops of a CPU tile (dense products and the expert products of kernels/moe.py):
+    for Q8_0 blocks 0 .. nb-1 of each group j (its buffer, and the byte of its first block in
+    quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r, b,
+    kk)`: element 32 b + kk, f32) into the 16-wide sums acc[r, j], one FMA per input index in
+    order (a row's sums are the same sequence of FMAs whatever R is). `norm_at(i)`: a norm
+    weight folded into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first
+    element): exact integer block sums, scaled by both scales."""
+    V = F32.vec(COLS)
+    G = len(groups)
     with kb.loop("b", 0, nb) as b:
-        at = [kb.let(f"at{j}", base[j] + b * COLS_BLOCK_BYTES) for j in range(G)]
-        scale = [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j in range(G)]
-        if x_q8:
+        at = [kb.let(f"at{j}", base + b * COLS_BLOCK_BYTES) for j, (_, base) in enumerate(groups)]
+        scale = [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j, (w, _) in enumerate(groups)]
+        if q8_x:
+            x, rows = q8_x
             dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(V, 0.0)) for key in acc}
             xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
         with kb.loop("kk", 0, 32, unroll=UNROLL) as kk:  # not unrolled, PoCL ran this loop 4x slower
-            quant = [cast(V, w.load(at[j] + 2 * COLS + kk * COLS, "i8", COLS)) for j in range(G)]
-            if t.norm:
-                nw = kb.let("nw", weight_at(t.norm[0].type.dtype, bufs["norm"], const(0), b * 32 + kk, k))
-            wv = [kb.let(f"w{j}", quant[j] if x_q8 else quant[j] * scale[j] * nw if t.norm else quant[j] * scale[j])
+            quant = [cast(V, w.load(at[j] + 2 * COLS + kk * COLS, "i8", COLS)) for j, (w, _) in enumerate(groups)]
+            if norm_at:
+                nw = kb.let("nw", norm_at(b * 32 + kk))
+            wv = [kb.let(f"w{j}", quant[j] if q8_x else quant[j] * scale[j] * nw if norm_at else quant[j] * scale[j])
                   for j in range(G)]
             for r in range(R):
-                xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + kk, "i8")) if x_q8 else x[rows[r] * k + b * 32 + kk])
+                xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + kk, "i8")) if q8_x else x_at(r, b, kk))
                 for j in range(G):
-                    target = dot[r, j] if x_q8 else acc[r, j]
+                    target = dot[r, j] if q8_x else acc[r, j]
                     kb.set(target, call("fma", wv[j], xv, target))
-        if x_q8:
+        if q8_x:
             for r in range(R):
                 dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
                 for j in range(G):
                     kb.set(acc[r, j], call("fma", dot[r, j], scale[j] * dx, acc[r, j]))
-    _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
 
 
 def _inverse_rms(kb: KernelSpec, x: Buffer, start: K, k: int, eps: float, r: int) -> K:
@@ -465,24 +479,13 @@ def matmul_group(ctx: NodeCtx) -> None:
     _matmul(ctx, x, weights, ctx.outs, [])
 
 
-def rowwise_streams(ctx: NodeCtx, dtype: DType, rows: int, n: Dim) -> int:
-    """Weight rows one work-item of the CPU schedule streams at once (up to ctx.row_streams):
-    a single-row Q8_0 product is bound by memory latency, and four rows far apart keep four
-    prefetch streams in flight per core (a 12288x4096 GEMV from DRAM on 2 cores, PoCL:
-    14.1 GB/s with one stream, 25.8 with four)."""
-    wide = dtype is DType.Q8_0 and rows == 1 and isinstance(n, int) and n >= ctx.row_streams
-    return ctx.row_streams if wide else 1
-
-
-def rowwise_groups(M: K, n: Dim, rows: int, streams: int) -> list[K]:
+def rowwise_groups(M: K, n: Dim, rows: int) -> list[K]:
     """The work-group grid of _rowwise for M rows of output width n."""
-    width = dim(n) if streams == 1 else const(-(-n // streams))
-    return [cdiv(M, rows), cdiv(width, ROWWISE_COLS)]
+    return [cdiv(M, rows), cdiv(dim(n), ROWWISE_COLS)]
 
 
 def _rowwise(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, R: int, store: Store, w: Buffer, x: Buffer,
-             wrow: Callable[[K, K], K] = lambda n, r0: n, xrow: Callable[[K], K] | None = None, blocks: int = 0,
-             streams: int = 1, x_q8: bool = False) -> None:
+             wrow: Callable[[K, K], K] = lambda n, r0: n, xrow: Callable[[K], K] | None = None) -> None:
     """CPU schedule of x @ wᵀ, any row count: a work-item owns output column n for a block of
     R rows, converts each 32-element chunk of w's row n once and applies it to every row
     of the block, accumulating into independent sums per row, which a CPU compiler turns
@@ -493,21 +496,11 @@ def _rowwise(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, R: int, store: 
     the weight row of column n (given r0 for R = 1), `xrow(row)` the offset of x's row,
     `store` writes a row's column n.
 
-    A Q8_0 weight is read in the split layout (`blocks` blocks in all: quants, then
-    scales; plan.LAYOUTS): aligned 16-wide quant loads, and the scales of SCALE_RUN blocks
-    converted by one 16-wide f16 load, where one f16 conversion per block cost more than
-    the block's arithmetic. Each block's partial sums are scaled by its d into sixteen
-    sums per row, in two sets (even and odd blocks: two loads in flight) for each of its
-    `streams` columns. With x_q8 (x in Q8_0 blocks) a block's products are 16-bit integer
-    multiplies, exact, scaled by both scales.
-
-    Every row is computed the same way whatever R is (the same sets, the same order of
-    blocks and sums), so a row's result does not depend on how many rows share the call:
-    a verify row equals the decode of the same token, bit for bit."""
+    Weights in f32, f16 or bf16 (Q8_0 products are the register tiles). Every row is
+    computed the same way whatever R is (the same sums in the same order), so a row's
+    result does not depend on how many rows share the call: a verify row equals the decode
+    of the same token, bit for bit."""
     xrow = xrow or (lambda row: cast(I64, row) * dim(k))
-    if dtype is DType.Q8_0:
-        _rowwise_q8_0(kb, n, k, R, store, w, x, wrow, xrow, blocks, M, streams, x_q8)
-        return
     K_ = dim(k)
     whole = isinstance(k, int) and k % 32 == 0
     r0 = kb.let("r0", kb.gid(0) * R)
@@ -533,77 +526,6 @@ def _rowwise(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, R: int, store: 
         with kb.loop("e", 0, 32) as e:
             kb.set(s, s + acc[r * 32 + e])
         store(row, n_col, s)
-
-
-
-def _rowwise_q8_0(kb: KernelSpec, n: Dim, k: int, R: int, store: Store, w: Buffer, x: Buffer, wrow, xrow,
-                  blocks: int, M: K, S: int, x_q8: bool) -> None:
-    """The Q8_0 loops of _rowwise: runs of SCALE_RUN blocks, then the tail block by block,
-    for S columns n0 + i·Q (i < S) per work-item, Q = ceil(N / S); a column past N reads
-    row N-1 again and stores nothing."""
-    N = dim(n)
-    Q = const(-(-n // S)) if S > 1 else N
-    nb, run = k // 32, SCALE_RUN * 32
-    full = nb // SCALE_RUN * run
-    U = 2  # two blocks per step into two sets of sums
-    V16 = F32.vec(16)
-    lanes = I16.vec(16) if x_q8 else V16  # integer products are 16-bit: |q·q| + |q·q| < 2^15
-    r0 = kb.let("r0", kb.gid(0) * R)
-    n0 = kb.let("n0", kb.gid(1) * ROWWISE_COLS + kb.lid(0))
-    kb.return_if(n0 >= Q)
-    acc = kb.array("acc", V16, R * S * U)
-    with kb.loop("q", 0, R * S * U) as q:
-        acc[q] = cast(V16, 0.0)
-    qrow, srow = [], []
-    for i in range(S):
-        column = n0 if S == 1 else minimum(n0 + i * Q.arg, N - 1)
-        qrow.append(kb.let(f"qrow{i}", cast(I64, wrow(column, r0)) * k))
-        srow.append(kb.let(f"srow{i}", blocks * 16 + cast(I64, wrow(column, r0)) * nb))
-
-    def slot(r: K, i: int, u: int) -> K:
-        return (r * S + i) * U + u
-
-    def step(c: K, scale: Callable[[int, int], K], units: int) -> None:
-        quants = {(i, u): [kb.let(f"wv{i}_{u}_{h}", cast(lanes, w.load(qrow[i] + c + 32 * u + 16 * h, "i8", 16)))
-                           for h in range(2)] for i in range(S) for u in range(units)}
-        with kb.loop("r", 0, R, cond=lambda r: r0 + r < M) as r:
-            xr = kb.let("xr", xrow(r0 + r))
-            for u in range(units):
-                if x_q8:  # block (xr + c) / 32 + u of x: its scale, then its quants
-                    xb = kb.let(f"xb{u}", ((xr + c) / 32 + u) * Q8_BLOCK)
-                    dx = kb.let(f"dx{u}", x.load(xb / 2, "f16"))
-                    xs = [cast(lanes, x.load(xb + 2 + 16 * h, "i8", 16)) for h in range(2)]
-                else:
-                    xs = [x.load(xr + c + 32 * u + 16 * h, lanes=16) for h in range(2)]
-                for i in range(S):
-                    lo, hi = quants[i, u]
-                    dot = lo * xs[0] + hi * xs[1]
-                    a = acc[slot(r, i, u)]
-                    if x_q8:
-                        acc[slot(r, i, u)] = call("fma", cast(V16, dot), scale(i, u) * dx, a)
-                    else:
-                        acc[slot(r, i, u)] = call("fma", scale(i, u), dot, a)
-
-    if full:
-        with kb.loop("c0", 0, full, run) as c0:
-            scales = [kb.array(f"ds{i}", F32, SCALE_RUN) for i in range(S)]
-            for i in range(S):
-                kb.set(scales[i].vec(0, 16), w.load(srow[i] + c0 / 32, "f16", 16))
-            with kb.loop("j", 0, SCALE_RUN, U) as j:
-                step(c0 + 32 * j, lambda i, u: scales[i][j + u], U)
-    if full < k:
-        with kb.loop("c", full, k, 32) as c:
-            ds = [kb.let(f"d{i}", w.load(srow[i] + c / 32, "f16")) for i in range(S)]
-            step(c, lambda i, u: ds[i], 1)
-    with kb.loop("r", 0, R, cond=lambda r: r0 + r < M) as r:
-        row = kb.let("row", r0 + r)
-        for i in range(S):
-            col = kb.let(f"col{i}", n0 + i * (Q.arg if S > 1 else 0))
-            with kb.if_(col < N):
-                total = vsum(acc[slot(r, i, 0)])
-                for u in range(1, U):
-                    total = total + vsum(acc[slot(r, i, u)])
-                store(row, col, total)
 
 
 @lowers("matmul")
@@ -675,43 +597,3 @@ def _gemm(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, store: Store, x: B
             row, col = kb.let(f"row{a}{b}", m0 + ty + a * THREADS), kb.let(f"col{a}{b}", n0 + tx + b * THREADS)
             with kb.if_((row < M) & (col < N)):
                 store(row, col, acc[a * per + b])
-
-
-@lowers("expert_matmul")
-def expert_matmul(ctx: NodeCtx) -> None:
-    """Each (row, slot) pair reads only its selected expert's rows: GPU profile, a work-group
-    per (output column block, pair); CPU profile, the rowwise schedule with one pair per item."""
-    x_value, w_value, ids_value = ctx.ins
-    out_value = ctx.outs[0]
-    _, n, k = w_value.type.shape
-    pairs = prod(ids_value.type.shape)
-    slots = dim(ids_value.type.shape[1])
-    per_slot = x_value.type.rank != 2
-    cpu = ctx.profile == "cpu"
-    blocks = 0
-    if cpu and w_value.type.dtype is DType.Q8_0:
-        w_value, blocks = _split_q8_0(ctx, [w_value])
-    streams = rowwise_streams(ctx, w_value.type.dtype, 1, n) if cpu else 1
-    g = Gemv(w_value.type.dtype, k)
-    kb = ctx.kernel("expert_matmul_rows" if cpu else "expert_matmul", (ROWWISE_COLS,) if cpu else (g.lanes, g.cols))
-    x, w, ids = kb.bind("x", x_value), kb.bind("w", w_value), kb.bind("ids", ids_value)
-    out = kb.bind("out", out_value, writes=True)
-
-    def xrow(pair: K) -> K:
-        return cast(I64, pair if per_slot else pair / slots) * dim(k)
-
-    def store(row: K, col: K, value: K) -> None:
-        out[cast(I64, row) * dim(n) + col] = value
-    if cpu:
-        _rowwise(kb, w_value.type.dtype, pairs, n, k, 1, store, w, x,
-                 wrow=lambda col, r0: cast(I64, ids[r0]) * dim(n) + col, xrow=xrow, blocks=blocks, streams=streams)
-        kb.launch(rowwise_groups(pairs, n, 1, streams))
-        return
-    n_col = kb.let("n", kb.gid(0) * g.cols + kb.lid(1))
-    p = kb.let("p", kb.gid(1))
-    _gemv(kb, g, 1, const(1), dim(n), n_col, const(0), w, cast(I64, ids[p]) * dim(n) + n_col, x,
-          lambda row: xrow(p), lambda row, col, value: store(p, col, value))
-    kb.launch([cdiv(dim(n), g.cols), pairs])
-
-
-

@@ -76,7 +76,7 @@ def test_half16_conversion_is_exact_for_every_bit_pattern(run_opencl):
 
 def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path):
     """A Q8_0 weight read by the CPU matmul and the embedding (a tied head) is uploaded once,
-    in the split layout, and never in the GGUF's block layout."""
+    in the tiles' 16-row interleaved layout, and never in the GGUF's block layout."""
     import numpy as np
 
     from dflash_ir.backends.lowering import lower

@@ -1,0 +1,46 @@
+"""A MoE layer (fused_moe: routing, top-k, the selected experts' gate/up/down and the shared
+expert) launches three kernels on the CPU profile and four on the GPU profile (the router
+product first), per decode token and per verify or prefill, and reads the expert banks only
+in the tiles' packed layout."""
+import pytest
+
+from dflash_ir.artifact import open_pair
+from dflash_ir.backends.lowering import lower
+from dflash_ir.backends.plan import compile_expr
+from dflash_ir.backends.selftest import CASES
+
+LAUNCHES = {"cpu": ["moe_route", "moe_up", "moe_down"], "gpu": ["matmul_gemv", "moe_route", "moe_up", "moe_down"]}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    """The generated qwen35moe target (every layer's FFN a MoE block) at -O2."""
+    return open_pair(*tiny_pair("qwen35moe", "q8_0"), opt_level=2)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+@pytest.mark.parametrize("name, rows", [("target.decode", 1), ("target.verify", 16), ("target.prefill", 5)])
+def test_a_moe_layer_is_three_kernels_on_cpu_and_four_on_gpu(pair, profile, name, rows):
+    graph = pair.graphs[name]
+    plan = lower(graph, profile)
+    env = {"n_T": rows, "n_R": rows, "n_C": 64, "n_P": 64}
+    layers = [s for s in plan.steps if graph.nodes[s.node].op == "fused_moe"]
+    assert len(layers) == 4
+    for step in layers:
+        ran = [la.kernel.rsplit("_", 1)[0] for la in step.launches if not la.when or compile_expr(la.when)(env)]
+        assert ran == LAUNCHES[profile], ran
+        node = graph.nodes[step.node]
+        banks = {node.inputs[i] for i in range(2, 8)}  # gate/up/down experts, shared gate/up/down
+        bound = {v for la in step.launches for v in la.buffers}
+        assert not banks & bound  # read packed, never as the GGUF stores them
+        packed = {w for v in bound if v in plan.packs for w in plan.packs[v][0]}
+        assert packed == banks and {plan.packs[v][1] for v in bound if v in plan.packs} == {"q8_0_cols16"}
+
+
+def test_cpu_expert_matmul_is_the_expert_tiles():
+    graph = CASES["expert_matmul_q8_0"].build().b.build()
+    plan = lower(graph, "cpu")
+    assert {k.op for k in plan.kernels.values()} == {"expert_matmul_tiles"}
+    assert list(plan.packs.values()) == [(("w",), "q8_0_cols16")]
+    assert {k.op for k in lower(CASES["expert_matmul_f16"].build().b.build(), "cpu").kernels.values()} == \
+        {"expert_matmul_rows"}

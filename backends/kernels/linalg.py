@@ -271,7 +271,8 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
 
 
 COLS = 16         # outputs per vector in the CPU tiles (quant.pack_q8_0_cols16's groups)
-TILE_ITEMS = 16   # work-items per work-group of the CPU tiles
+TILE_ITEMS = 16   # work-items per work-group of the CPU tiles (fewer for small products) ...
+TILE_GROUPS = 8   # ... so that a product has at least this many work-groups for the cores to share
 UNROLL = 4        # the CPU tiles' inner loop unrolled this many times by the device compiler
 # CPU register tiles: (rows, column groups, fewest rows, most rows) per x type (f32, Q8_0):
 # rows x groups vectors of sums (x groups more per block for Q8_0 x) stay in registers;
@@ -326,7 +327,8 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
         if fixed is not None and not lo <= fixed <= hi:
             continue
         per = max(1, groups // 2) if swiglu else groups  # units per work-item
-        kb = ctx.kernel("matmul_tiles", (TILE_ITEMS,))
+        items = tile_items(-(-t.units // per))
+        kb = ctx.kernel("matmul_tiles", (items,))
         bufs = {"x": kb.bind("x", x), "w": kb.bind("w", packed)}
         if norm:
             bufs["norm"] = kb.bind("norm", norm[0])
@@ -334,12 +336,21 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
             bufs["residual"] = kb.bind("residual", residual)
         names = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
         bufs["outs"] = [kb.bind(name, o, writes=True) for name, o in zip(names, outs)]
-        _tiles(kb, t, M, rows, per, bufs)
-        kb.launch([cdiv(const(t.units), per * TILE_ITEMS), cdiv(M, rows)],
+        _tiles(kb, t, M, rows, per, bufs, items)
+        kb.launch([cdiv(const(t.units), per * items), cdiv(M, rows)],
                   when=None if fixed is not None else (M >= lo) & (M <= hi))
 
 
-def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict) -> None:
+def tile_items(work_items: int) -> int:
+    """Work-items per work-group: up to TILE_ITEMS, but a small product (a 1024-wide decode
+    projection is 16 work-items) still spreads over TILE_GROUPS work-groups, not one core's."""
+    items = TILE_ITEMS
+    while items > 1 and -(-work_items // items) < TILE_GROUPS:
+        items //= 2
+    return items
+
+
+def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: int) -> None:
     """CPU schedule of a product over Q8_0 weights packed 16 rows at a time: a work-item owns
     R rows of x and P units (groups of 16 outputs, or gate/up pairs of groups) and keeps its
     sums as 16-wide vectors in named registers (the tile is unrolled here: arrays indexed in
@@ -357,7 +368,7 @@ def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict) -> None:
     x_q8 = t.x.type.dtype is DType.Q8_0
     V = F32.vec(COLS)
     r0 = kb.let("r0", kb.gid(1) * R)
-    u0 = kb.let("u0", (kb.gid(0) * TILE_ITEMS + kb.lid(0)) * P)
+    u0 = kb.let("u0", (kb.gid(0) * items + kb.lid(0)) * P)
     kb.return_if(u0 >= t.units)
     rows = [kb.let(f"xr{r}", cast(I64, minimum(r0 + r, M - 1))) for r in range(R)]
     # the work-item's groups: unit u is group u, or gate group u and up group u + starts[1]

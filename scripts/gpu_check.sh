@@ -23,7 +23,7 @@ export DFLASH_IR_CUDA_ARCHS="sm_$cc"
 export DFLASH_IR_KERNEL_CACHE="$out/kernel-cache"
 
 status=0
-$PY -m dflash_ir.backends.selftest cuda 2>&1 | tee "$out/selftest.txt" || status=1
+$PY tests/kernel_cases.py cuda 2>&1 | tee "$out/selftest.txt" || status=1
 $PY -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 \
   | tee "$out/gpu-tests.txt" || status=1
 $PY -m pytest tests/backends/test_batch_invariance.py -k cuda -q -rs -p no:cacheprovider 2>&1 \

@@ -8,7 +8,7 @@ from dflash_ir.backends.base import get_backend
 from dflash_ir.backends.kir.build import FUNCTIONS
 from dflash_ir.backends.kir.c import PRINTERS
 from dflash_ir.backends.lowering import lower
-from dflash_ir.backends.selftest import CASES, case_graph
+from kernel_cases import CASES, case_graph
 from dflash_ir.backends.toolchain import (
     CUBIN_ARCHS,
     GFX_ARCHS,
@@ -23,7 +23,7 @@ from dflash_ir.backends.toolchain import (
 
 @pytest.fixture(scope="module")
 def every_kernel():
-    """The kernels of all selftest cases: every op and variant the lowering produces for GPUs."""
+    """The kernels of all cases in tests/kernel_cases.py: every op and variant the lowering produces for GPUs."""
     kernels = {}
     for c in CASES.values():
         kernels.update(lower(case_graph(c.build())).kernels)

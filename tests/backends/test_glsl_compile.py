@@ -16,7 +16,7 @@ from dflash_ir.backends.kir import F32, I32, I64, KernelBuilder, cast, var
 from dflash_ir.backends.kir.glsl import BASELINE, FULL, UnsupportedKernel, render_glsl
 from dflash_ir.backends.kir.ir import Kernel, walk
 from dflash_ir.backends.lowering import PROFILES, lower
-from dflash_ir.backends.selftest import CASES, case_graph
+from kernel_cases import CASES, case_graph
 from dflash_ir.backends.spirv import compile_spirv
 from dflash_ir.backends.toolchain import CompileError
 

@@ -7,7 +7,7 @@ import pytest
 from dflash_ir.artifact import open_pair
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.plan import compile_expr
-from dflash_ir.backends.selftest import CASES
+from kernel_cases import CASES
 
 LAUNCHES = {"cpu": ["moe_route", "moe_up", "moe_down"], "gpu": ["matmul_gemv", "moe_route", "moe_up", "moe_down"]}
 

@@ -3,7 +3,7 @@ device profiles: PoCL gets the CPU schedules by default, and the GPU schedules (
 and HIP compile) are run here too, so neither goes untested on a machine without a GPU."""
 import pytest
 
-from dflash_ir.backends.selftest import CASES, compare
+from kernel_cases import CASES, compare
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])

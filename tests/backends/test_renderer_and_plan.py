@@ -11,7 +11,7 @@ from dflash_ir.backends.kir.c import PRINTERS
 from dflash_ir.backends.kir.ir import walk
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.plan import Plan, compile_expr
-from dflash_ir.backends.selftest import CASES, case_graph
+from kernel_cases import CASES, case_graph
 from dflash_ir.backends.toolchain import elf_functions
 from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType

@@ -1,10 +1,10 @@
-"""Compile-only through TVM (no GPU): TVM's CUDA source for every kernel of every selftest case
+"""Compile-only through TVM (no GPU): TVM's CUDA source for every kernel of every case in tests/kernel_cases.py
 and of every fixture model builds with nvcc to PTX and to a cubin per CUBIN_ARCHS, and every
 device kernel a plan launches is an entry of the PTX and a function of each cubin."""
 import pytest
 
 from dflash_ir.artifact import compile_pair, read_manifest
-from dflash_ir.backends.selftest import CASES, case_graph
+from kernel_cases import CASES, case_graph
 from dflash_ir.backends.toolchain import CUBIN_ARCHS, elf_functions, nvcc_ptx, ptx_entries, ptxas_cubin
 
 

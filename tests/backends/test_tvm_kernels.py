@@ -1,9 +1,9 @@
 """Every TVM-built kernel against the interpreter on single-node graphs (random inputs and
-edge shapes, backends/selftest.py): through TVM's LLVM target on this CPU, and through TVM's
+edge shapes, tests/kernel_cases.py): through TVM's LLVM target on this CPU, and through TVM's
 OpenCL target (dlight-scheduled) run by pyopencl on PoCL."""
 import pytest
 
-from dflash_ir.backends.selftest import CASES, compare
+from kernel_cases import CASES, compare
 from dflash_ir.ops.registry import all_ops
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_ir.backends.base import BackendUnavailable
-from dflash_ir.backends.selftest import CASES, case_graph
+from kernel_cases import CASES, case_graph
 from dflash_ir.backends.tvm import version
 from dflash_ir.errors import ArtifactError
 from dflash_ir.interpreter import Interpreter

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from dflash_ir.backends.selftest import CASES, compare
+from kernel_cases import CASES, compare
 from dflash_ir.backends.vulkan import ENV_VARIANT, VariantFallback
 
 # every kernel family that touches f16, bf16 or Q8_0 data, where the variants differ

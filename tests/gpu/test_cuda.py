@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dflash_ir.backends.selftest import CASES, compare
+from kernel_cases import CASES, compare
 
 pytestmark = pytest.mark.gpu
 PROMPT = [5, 77, 140, 9, 260, 31, 8]
@@ -17,7 +17,7 @@ def test_kernel_matches_interpreter(cuda, name, tmp_path):
 
 def test_graph_replay_serves_new_inputs_of_the_same_sizes(cuda, tmp_path):
     """The launch list is captured as a CUDA graph once; later calls replay it with new data."""
-    from dflash_ir.backends.selftest import case_graph
+    from kernel_cases import case_graph
     from dflash_ir.interpreter import Interpreter
 
     c = CASES["fused_matmul_norm_swiglu_3_rows"].build()

@@ -3,7 +3,7 @@
 
 Used by the test suite (PoCL), the GPU checks and by hand on a new device:
 
-    python -m dflash_ir.backends.selftest opencl [case-name-substring]
+    python tests/kernel_cases.py opencl [case-name-substring]
 
 A case passes when every float output is within TOL * max|reference| of the reference
 (1e-5: the f32 contract of ARCHITECTURE.md §8) and every integer output is equal.
@@ -451,10 +451,10 @@ def compare(backend, name: str, work_dir: Path, seed: int = 0) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from .base import get_backend
+    from dflash_ir.backends.base import get_backend
 
     if not argv:
-        print("usage: python -m dflash_ir.backends.selftest BACKEND [NAME-SUBSTRING]", file=sys.stderr)
+        print("usage: python tests/kernel_cases.py BACKEND [NAME-SUBSTRING]", file=sys.stderr)
         return 2
     backend = get_backend(argv[0])
     backend.require()

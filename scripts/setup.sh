@@ -9,6 +9,7 @@ DEB_PACKAGES=(
   mesa-vulkan-drivers libvulkan1               # Vulkan on the CPU (lavapipe)
   glslang-tools spirv-tools                    # GLSL -> SPIR-V, spirv-val
   hipcc rocm-device-libs lld                   # HIP -> HSACO for the rocm backend (compile only)
+  lld-19                                       # links TVM's AMDGPU code object v6 (tvm-rocm)
   graphviz                                     # PNG/SVG pictures of IR graphs
   chromium chromium-driver                     # headless browser for the dflash-serve chat page test
   xz-utils

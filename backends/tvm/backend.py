@@ -5,7 +5,8 @@ apache-tvm, the launch plan and runner shared with the native backends.
 - tvm-opencl: TVM's OpenCL source, built and run by pyopencl (PoCL on a CPU-only machine).
 - tvm-cuda: TVM's CUDA source compiled by nvcc to PTX and cubins, run by CuPy like the
   native cuda backend; loading needs no TVM.
-- tvm-rocm: AMDGPU code objects through TVM's LLVM (see rocm_build.py for what works).
+- tvm-rocm: an HSACO per GFX target from TVM's LLVM, linked by an ld.lld >= 18 (rocm_build.py),
+  run by the native rocm backend's runtime.
 """
 from __future__ import annotations
 
@@ -169,8 +170,8 @@ class TVMCUDABackend(TVMGPUBackend):
 
 @register_backend
 class TVMROCmBackend(TVMBackend):
-    """Compiles where an ld.lld that links TVM's AMDGPU code objects exists (rocm_build.py says
-    what works with Debian's ROCm 5.2 toolchain); runs on the native rocm backend's runtime."""
+    """One linked HSACO per GFX target (rocm_build.py: TVM's LLVM emits code object v6, which
+    needs an ld.lld >= 18); runs on the native rocm backend's runtime."""
 
     name = "tvm-rocm"
     target = "rocm"

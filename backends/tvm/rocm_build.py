@@ -1,18 +1,19 @@
 """tvm-rocm: AMDGPU code objects through TVM's LLVM with Debian's ROCm device libraries.
 
-What works: TVM lowers every kernel for the GFX targets the device libraries cover
-(toolchain.hip_archs: gfx90a, gfx1030) and its LLVM (22) emits an AMDGPU relocatable
-object with the device bitcode (ocml, ockl, oclc_*) linked in.
-What does not: linking that object into a loadable HSACO. LLVM 22 emits code object v6
-(ELF ABI version 4), which Debian's ld.lld rejects ("unknown abi version"); TVM 0.27's
-rocm target takes no LLVM option to ask for v5, and LLVM 15's assembler cannot read LLVM
-22's AMDGPU assembly either (checked with Debian's ld.lld 14 and 15, llvm-mc 15). An ld.lld
-from LLVM 18 or newer (ROCm 6) links it.
+TVM lowers every kernel for the GFX targets the device libraries cover (toolchain.hip_archs:
+gfx90a, gfx1030) and its LLVM (22) emits an AMDGPU relocatable object with the device
+bitcode (ocml, ockl, oclc_*) linked in. That object is code object v6 (ELF ABI version 4),
+which only an ld.lld from LLVM 18 or newer links: Debian's default lld (14/15) rejects it
+("unknown abi version"), and TVM 0.27's rocm target takes no option to ask LLVM for v5.
+scripts/setup.sh installs Debian's lld-19 beside the default one; `linker` finds it. A v6
+HSACO loads on a ROCm 6.2 or newer runtime.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -70,19 +71,37 @@ def amdgpu_object(mod, arch: str) -> bytes:
     return obj
 
 
+LINKERS = tuple(f"ld.lld-{v}" for v in range(22, 17, -1)) + ("ld.lld",)
+MIN_LLD = 18  # the first LLD that links AMDGPU code object v6
+
+
+def _lld_major(tool: str) -> int:
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"LLD (\d+)", out)
+    return int(found[1]) if found else 0
+
+
+@functools.cache
+def linker() -> str:
+    """The first ld.lld on PATH new enough for TVM's code objects; BackendUnavailable says
+    which were found when none is."""
+    found = {tool: _lld_major(tool) for tool in LINKERS if shutil.which(tool)}
+    for tool, major in found.items():
+        if major >= MIN_LLD:
+            return tool
+    have = ", ".join(f"{t} (LLD {m})" for t, m in found.items()) or "none"
+    raise BackendUnavailable(f"TVM's LLVM emits AMDGPU code object v6, which needs an ld.lld from LLVM {MIN_LLD} or "
+                             f"newer to link (found: {have}); on Debian 12: apt-get install lld-19")
+
+
 def link(obj: bytes) -> bytes:
-    """An HSACO from an AMDGPU object, linked by ld.lld; BackendUnavailable says why not."""
+    """An HSACO from an AMDGPU object, linked by `linker()`."""
+    tool = linker()
     with tempfile.TemporaryDirectory(prefix="dflash-ir-rocm-") as tmp:
         src, out = Path(tmp, "kernels.o"), Path(tmp, "kernels.hsaco")
         src.write_bytes(obj)
-        try:
-            done = subprocess.run(["ld.lld", "-shared", str(src), "-o", str(out)], capture_output=True, text=True)
-        except FileNotFoundError:
-            raise BackendUnavailable("ld.lld not found: install lld (Debian package lld) to link AMDGPU code objects")
+        done = subprocess.run([tool, "-shared", str(src), "-o", str(out)], capture_output=True, text=True)
         if done.returncode:
-            version = subprocess.run(["ld.lld", "--version"], capture_output=True, text=True).stdout.strip()
-            abi = obj[8]
-            raise BackendUnavailable(
-                f"{version} cannot link the AMDGPU code object TVM's LLVM emits (ELF ABI version {abi}, code object "
-                f"v{abi + 2}): {done.stderr.strip()}; an ld.lld from LLVM 18 or newer (ROCm 6) links it")
+            raise BackendUnavailable(f"{tool} could not link the AMDGPU code object TVM's LLVM emits "
+                                     f"(ELF ABI version {obj[8]}): {done.stderr.strip()}")
         return out.read_bytes()

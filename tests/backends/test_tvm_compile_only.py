@@ -1,6 +1,9 @@
 """Compile-only through TVM (no GPU): TVM's CUDA source for every kernel of every case in tests/kernel_cases.py
 and of every fixture model builds with nvcc to PTX and to a cubin per CUBIN_ARCHS, and every
-device kernel a plan launches is an entry of the PTX and a function of each cubin."""
+device kernel a plan launches is an entry of the PTX and a function of each cubin; tvm-rocm
+links an HSACO per GFX target holding every device kernel of its plan."""
+import shutil
+
 import pytest
 
 from dflash_ir.artifact import compile_pair, read_manifest
@@ -52,36 +55,42 @@ def test_fixture_pair_builds_for_cuda(tvm, nvcc, oracle_gguf, kind, tmp_path):
     _assert_binaries_hold_launched_kernels(out)
 
 
-def _lld_major() -> int:
-    import re
-    import subprocess
-
-    return int(re.search(r"LLD (\d+)", subprocess.run(["ld.lld", "--version"], capture_output=True, text=True).stdout)[1])
+EF_AMDGPU_MACH = {"gfx90a": 0x3F, "gfx1030": 0x36}  # e_flags' low byte names the GFX target
 
 
-def test_rocm_objects_build_and_link_as_far_as_the_toolchain_allows(tvm, hip, tmp_path):
-    """TVM's LLVM makes an AMDGPU object holding every device kernel for each GFX target the
-    device libraries cover; ld.lld < 18 cannot link its code object v6 into an HSACO, and
-    the backend says so (backends/tvm/rocm_build.py)."""
-    from dflash_ir.backends.base import BackendUnavailable, get_backend
+def test_rocm_artifact_holds_linked_hsaco_per_target(tvm, hip, tmp_path):
+    """tvm-rocm links TVM's code objects (v6, by an ld.lld >= 18: rocm_build.linker) into one
+    HSACO per GFX target the device libraries cover, each made for its target and holding
+    every device kernel its launch plan names."""
+    import struct
+
+    from dflash_ir.backends.base import get_backend
     from dflash_ir.backends.toolchain import hip_archs
-    from dflash_ir.backends.tvm.build import TARGETS, scheduled_device
-    from dflash_ir.backends.tvm.lowering import lower
-    from dflash_ir.backends.tvm.rocm_build import amdgpu_object, link, ocml_f64
 
-    graph = case_graph(CASES["fused_attention_gated_persist"].build())
-    kernels = lower(graph)[1]
-    mod, _, _, launches = scheduled_device({**TARGETS["rocm"], "mcpu": hip_archs()[0]}, kernels, ocml_f64)
-    names = {k.name for ks in launches.values() for k in ks}
-    for arch in hip_archs():
-        obj = amdgpu_object(mod, arch)
-        assert obj[:4] == b"\x7fELF" and obj[7] == 64, arch  # ELFOSABI_AMDGPU_HSA
-        assert names <= elf_functions(obj), arch
-        if _lld_major() >= 18:
-            assert names <= elf_functions(link(obj)), arch
-        else:
-            with pytest.raises(BackendUnavailable, match=r"code object v6\): ld.lld: error: unknown abi version"):
-                link(obj)
-    if _lld_major() < 18:
-        with pytest.raises(BackendUnavailable, match="an ld.lld from LLVM 18 or newer"):
-            get_backend("tvm-rocm").compile(graph, tmp_path)
+    assert set(hip_archs()) == set(EF_AMDGPU_MACH)
+    entry = get_backend("tvm-rocm").compile(case_graph(CASES["fused_attention_gated_persist"].build()), tmp_path)
+    launched = {launch["kernel"] for step in entry["plan"]["steps"] for launch in step["launches"]}
+    assert launched and set(entry["hsaco"]) == set(EF_AMDGPU_MACH)
+    for arch, rel in entry["hsaco"].items():
+        hsaco = (tmp_path / rel).read_bytes()
+        e_type, = struct.unpack_from("<H", hsaco, 16)
+        e_flags, = struct.unpack_from("<I", hsaco, 48)
+        assert e_type == 3 and hsaco[7] == 64, arch  # ET_DYN (linked), ELFOSABI_AMDGPU_HSA
+        assert e_flags & 0xFF == EF_AMDGPU_MACH[arch], arch
+        assert elf_functions(hsaco) == launched, arch
+
+
+def test_rocm_link_names_the_linker_it_needs(tvm, monkeypatch):
+    """Only an ld.lld older than 18 on PATH: the backend says which it found and what to install."""
+    from dflash_ir.backends.base import BackendUnavailable
+    from dflash_ir.backends.tvm import rocm_build
+
+    monkeypatch.setattr(rocm_build, "LINKERS", ("ld.lld-15", "ld.lld-14"))
+    rocm_build.linker.cache_clear()
+    if not any(map(shutil.which, rocm_build.LINKERS)):
+        pytest.skip("neither ld.lld-15 nor ld.lld-14 installed")
+    try:
+        with pytest.raises(BackendUnavailable, match=r"code object v6.*LLD 1[45].*apt-get install lld-19"):
+            rocm_build.linker()
+    finally:
+        rocm_build.linker.cache_clear()

@@ -2,8 +2,9 @@
 
 Storage conventions (what `GGUFFile.raw` returns and what kernels consume):
 F32 -> float32, F16 -> float16, BF16 -> uint16 (the raw bits), Q8_0 -> uint8 whose last dim
-holds `K // 32` blocks of 34 bytes (fp16 scale `d`, then 32 int8 `qs`). Leading dims are free,
-so any row selection of a storage array is itself a valid storage array.
+holds `K // 32` blocks of 34 bytes (fp16 scale `d`, then 32 int8 `qs`); the other block types
+likewise hold their blocks as bytes, in a one-byte dtype named after the type (DType.numpy).
+Leading dims are free, so any row selection of a storage array is itself a valid storage array.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 
 _Q8_0_SCALE_BYTES = 2
@@ -39,6 +41,8 @@ def dequantize(storage: np.ndarray, dtype: DType) -> np.ndarray:
         return (storage.astype(np.uint32) << 16).view(np.float32)
     if dtype is DType.Q8_0:
         return _dequantize_q8_0(storage)
+    if dtype in DECODERS:
+        return _decode_blocks(storage, dtype)
     return storage.astype(np.float32)
 
 
@@ -83,6 +87,52 @@ def _dequantize_q8_0(storage: np.ndarray) -> np.ndarray:
         return (qs * d).reshape(*storage.shape[:-1], -1)
 
 
+class _BlockReader:
+    """The decoders' reader (dflash_ir/blocks.py) over blocks[..., nb, block_bytes]: a byte index
+    is an int (one byte per block) or an array over the block's elements; values are int32 and
+    float32 arrays that broadcast to [..., nb, block_size]."""
+
+    def __init__(self, blocks: np.ndarray):
+        self.blocks = blocks
+
+    def u8(self, byte):
+        if isinstance(byte, int):
+            return self.blocks[..., byte:byte + 1].astype(np.int32)
+        return np.take(self.blocks, byte, axis=-1).astype(np.int32)
+
+    def f16(self, byte: int):
+        return np.ascontiguousarray(self.blocks[..., byte:byte + 2]).view(np.float16).astype(np.float32)
+
+    @staticmethod
+    def f32(x):
+        return np.asarray(x).astype(np.float32)
+
+    @staticmethod
+    def f32_bits(x):
+        return np.asarray(x).astype(np.uint32).view(np.float32)
+
+    @staticmethod
+    def select(cond, a, b):
+        return np.where(cond, a, b)
+
+    @staticmethod
+    def table(name: str, values, index):
+        return np.asarray(values, np.float32)[index]
+
+
+def _decode_blocks(storage: np.ndarray, dtype: DType) -> np.ndarray:
+    bb = dtype.block_bytes
+    if storage.ndim == 0 or storage.shape[-1] % bb:
+        raise ValueError(
+            f"{dtype} storage needs a last dimension that is a multiple of {bb} bytes, got shape {storage.shape}"
+        )
+    blocks = storage.view(np.uint8).reshape(*storage.shape[:-1], storage.shape[-1] // bb, bb)
+    i = np.arange(dtype.block_size, dtype=np.int32)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf/NaN scales decode as in ggml
+        values = DECODERS[dtype](_BlockReader(blocks), i)
+    return np.broadcast_to(values, (*blocks.shape[:-1], dtype.block_size)).reshape(*storage.shape[:-1], -1)
+
+
 def _round_half_away(v: np.ndarray) -> np.ndarray:
     """C `roundf`: float32 inputs are widened to float64 so adding 0.5 is exact."""
     wide = v.astype(np.float64)
@@ -98,7 +148,7 @@ def _quantize_bf16(x: np.ndarray) -> np.ndarray:
     return np.where(is_nan, quiet_nan, rounded).astype(np.uint16)
 
 
-_FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16, DType.Q8_0)
+_FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16, DType.Q8_0, *DECODERS)
 
 
 COLS = 16  # weight rows interleaved by pack_q8_0_cols16: one 16-wide vector per input index

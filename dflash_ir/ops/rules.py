@@ -17,7 +17,7 @@ from ..types import Dim, Shape, TensorType, dims_equal, format_shape
 from .registry import OpError, register
 
 # dtypes a weight may be stored in; references see them through `linalg.as_f32`
-WEIGHT_DTYPES = (DType.F32, DType.F16, DType.BF16, DType.Q8_0)
+WEIGHT_DTYPES = (DType.F32, DType.F16, DType.BF16) + tuple(d for d in DType if d.is_block)
 
 
 def defop(name: str, rule: Callable[..., TensorType | tuple[TensorType, ...]]):

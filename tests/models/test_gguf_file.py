@@ -258,8 +258,8 @@ _CORRUPTIONS = {
         r"tensor 'w\.f16': GGML type unknown type id 200 is not supported",
     ),
     "unsupported_tensor_type": (
-        lambda L: _patch(L.blob, L.tensor_field("w.f16", "type"), "<I", 12),
-        r"tensor 'w\.f16': GGML type Q4_K is not supported",
+        lambda L: _patch(L.blob, L.tensor_field("w.f16", "type"), "<I", 16),
+        r"tensor 'w\.f16': GGML type IQ2_XXS is not supported \(supported: F32, F16, Q4_0, .*Q4_K, .*MXFP4\)",
     ),
     "duplicate_tensor_name": (
         lambda L: _put(L.blob, L.tensor_info("w.f16") - 5, b"w.f32"),

@@ -51,7 +51,7 @@ def test_dequantize_rule():
     assert types("dequantize", "bf16[3,5]") == ["f32[3,5]"]
     with pytest.raises(OpError, match=r"dequantize: w q8_0\[4,33\]: last dim must be a multiple of 32"):
         types("dequantize", "q8_0[4,33]")
-    with pytest.raises(OpError, match="dequantize: w must be f32/f16/bf16/q8_0, got i32"):
+    with pytest.raises(OpError, match="dequantize: w must be f32/f16/bf16/q8_0/q4_0/.*/mxfp4, got i32"):
         types("dequantize", "i32[4]")
 
 

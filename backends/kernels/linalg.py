@@ -14,6 +14,7 @@ from typing import Callable
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
+from dflash_ir.ops.specialised import OPS
 from dflash_ir.types import Dim
 
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, maximum, minimum, select, vsum
@@ -128,68 +129,118 @@ def _q8_words(buf: Buffer, block: K, word: K) -> K:
     return buf.load(half, "u16") | (buf.load(half + 1, "u16") << 16)
 
 
-def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K, w: Buffer, wrow: K,
-          x: Buffer, xrow: Callable[[K], K], store: Store, x_q8: bool = False) -> None:
+def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K, w: Buffer, wrows: tuple[K, ...],
+          x: Buffer, xrow: Callable[[K], K], store: Store, x_q8: bool = False,
+          norm: tuple[Buffer, float] | None = None) -> None:
     """Column n, rows r0 .. r0+rows-1 (< count): each lane accumulates its chunks for every
-    row, then a tree reduction over the column's lanes. `wrow` is the weight row of column
-    n, `xrow(row)` the element offset of x's row. With x_q8 (x in Q8_0 blocks) a block's
-    dot is an exact integer sum of dot4s, scaled by both blocks' scales."""
-    L = g.lanes
+    row, then a tree reduction over the column's lanes. `wrows` are the weight rows of column
+    n: one, or a gate row and an up row whose products are stored as silu(gate) * up.
+    `xrow(row)` is the element offset of x's row. With `norm` (weight, eps) x is RMS-
+    normalised first: the weight scales x's elements, 1/RMS (computed once per work-group)
+    the sums. With x_q8 (x in Q8_0 blocks) a block's dot is an exact integer sum of dot4s,
+    scaled by both blocks' scales."""
+    L, S = g.lanes, len(wrows)
     lane, col = kb.lid(0), kb.lid(1)
     red = kb.array("red", F32, rows * GEMV_THREADS, "local")
-    acc = kb.array("acc", F32, rows)
-    with kb.loop("r", 0, rows) as r:
+    inv = _gemv_inverse_rms(kb, g, rows, count, r0, x, xrow, red, norm) if norm else None
+    acc = kb.array("acc", F32, rows * S)
+    with kb.loop("r", 0, rows * S) as r:
         acc[r] = 0.0
     q8 = g.dtype is DType.Q8_0
     chunks = dim(g.k) / 32 if q8 else dim(g.k)
     with kb.loop("c", lane, chunks, L, cond=n < n_total) as c:
-        if q8:
-            blk = kb.let("blk", cast(I64, wrow) * q8_row_bytes(g.k) + c * Q8_BLOCK)
-            d = kb.let("d", w.load(blk / 2, "f16"))
-            if x_q8:
-                wq = kb.array("wq", I32, 8)
-                with kb.loop("e", 0, 8) as e:
-                    wq[e] = _q8_words(w, blk, e)
+        scales, values = [], []
+        for j, wrow in enumerate(wrows):
+            if q8:
+                blk = kb.let(f"blk{j}", cast(I64, wrow) * q8_row_bytes(g.k) + c * Q8_BLOCK)
+                scales.append(kb.let(f"d{j}", w.load(blk / 2, "f16")))
+                if x_q8:
+                    wq = kb.array(f"wq{j}", I32, 8)
+                    with kb.loop("e", 0, 8) as e:
+                        wq[e] = _q8_words(w, blk, e)
+                    values.append(wq)
+                else:
+                    wv = kb.array(f"wv{j}", F32, 32)
+                    with kb.loop("e", 0, 16) as e:
+                        two = kb.let("two", w.load(blk / 2 + 1 + e, "u16"))
+                        wv[2 * e] = cast(F32, sext8(two))
+                        wv[2 * e + 1] = cast(F32, sext8(two >> 8))
+                    values.append(wv)
             else:
-                wv = kb.array("wv", F32, 32)
-                with kb.loop("e", 0, 16) as e:
-                    two = kb.let("two", w.load(blk / 2 + 1 + e, "u16"))
-                    wv[2 * e] = cast(F32, sext8(two))
-                    wv[2 * e + 1] = cast(F32, sext8(two >> 8))
-        else:
-            wv = kb.array("wv", F32, 1)
-            wv[0] = weight_at(g.dtype, w, wrow, c, g.k)
+                wv = kb.array(f"wv{j}", F32, 1)
+                wv[0] = weight_at(g.dtype, w, wrow, c, g.k)
+                values.append(wv)
         with kb.loop("r", 0, rows, cond=lambda r: r0 + r < count) as r:
             row = kb.let("row", r0 + r)
             if x_q8:
                 xb = kb.let("xb", (xrow(row) / 32 + c) * Q8_BLOCK)
-                isum = kb.let("isum", 0)
-                with kb.loop("e", 0, 8) as e:
-                    kb.set(isum, dot4_i8(_q8_words(x, xb, e), wq[e], isum))
-                acc[r] = acc[r] + cast(F32, isum) * x.load(xb / 2, "f16") * d
+                dx = kb.let("dx", x.load(xb / 2, "f16"))
+                for j, wq in enumerate(values):
+                    isum = kb.let(f"isum{j}", 0)
+                    with kb.loop("e", 0, 8) as e:
+                        kb.set(isum, dot4_i8(_q8_words(x, xb, e), wq[e], isum))
+                    acc[r * S + j] = acc[r * S + j] + cast(F32, isum) * dx * scales[j]
             else:
                 xr = kb.let("xr", xrow(row) + c * g.chunk)
-                s = kb.let("s", 0.0)
+                xv = kb.array("xv", F32, g.chunk)
                 with kb.loop("e", 0, g.chunk) as e:
-                    kb.set(s, s + wv[e] * x[xr + e])
-                acc[r] = acc[r] + (d * s if q8 else s)
+                    xv[e] = x[xr + e] * norm[0][c * g.chunk + e] if norm else x[xr + e]
+                for j, wv in enumerate(values):
+                    s = kb.let(f"s{j}", 0.0)
+                    with kb.loop("e", 0, g.chunk) as e:
+                        kb.set(s, s + wv[e] * xv[e])
+                    acc[r * S + j] = acc[r * S + j] + (scales[j] * s if q8 else s)
 
     def slot(r):
         return (r * g.cols + col) * L + lane
-    with kb.loop("r", 0, rows) as r:
-        red[slot(r)] = acc[r]
-    kb.barrier()
-    with kb.loop("s", L // 2, cond=lambda s: s > 0, next=lambda s: s >> 1) as s:
-        with kb.if_(lane < s):
-            with kb.loop("r", 0, rows) as r:
-                red[slot(r)] = red[slot(r)] + red[slot(r) + s]
+    sums = kb.array("sums", F32, rows * S)  # the reduced sums of the rows this lane stores
+    for j in range(S):
+        with kb.loop("r", 0, rows) as r:
+            red[slot(r)] = acc[r * S + j]
         kb.barrier()
+        with kb.loop("s", L // 2, cond=lambda s: s > 0, next=lambda s: s >> 1) as s:
+            with kb.if_(lane < s):
+                with kb.loop("r", 0, rows) as r:
+                    red[slot(r)] = red[slot(r)] + red[slot(r) + s]
+            kb.barrier()
+        with kb.loop("r", lane, rows, L) as r:
+            sums[r * S + j] = red[(r * g.cols + col) * L]
+        if j + 1 < S:
+            kb.barrier()
     with kb.loop("r", lane, rows, L) as r:
         row = kb.let("row", r0 + r)
         with kb.if_((row < count) & (n < n_total)):
-            store(row, n, red[(r * g.cols + col) * L])
+            dots = [sums[r * S + j] * inv[r] if inv is not None else sums[r * S + j] for j in range(S)]
+            if S == 1:
+                store(row, n, dots[0])
+            else:
+                gate = kb.let("gate", dots[0])
+                store(row, n, gate * call_function(SIGMOID, gate) * dots[1])
 
 
+def _gemv_inverse_rms(kb: KernelSpec, g: Gemv, rows: int, count: K, r0: K, x: Buffer, xrow: Callable[[K], K],
+                      red: Buffer, norm: tuple[Buffer, float]) -> Buffer:
+    """1/RMS of each of the work-group's x rows, all its threads summing squares in `red`
+    (free until the products are reduced), kept in local memory for the stores."""
+    k = dim(g.k)
+    t = kb.let("t", kb.lid(1) * g.lanes + kb.lid(0))
+    inv = kb.array("inv", F32, rows, "local")
+    with kb.loop("r", 0, rows) as r:
+        xr = kb.let("xr", xrow(minimum(r0 + r, count - 1)))
+        ss = kb.let("ss", 0.0)
+        with kb.loop("e", t, k, GEMV_THREADS) as e:
+            kb.set(ss, call("fma", x[xr + e], x[xr + e], ss))
+        red[r * GEMV_THREADS + t] = ss
+    kb.barrier()
+    with kb.loop("s", GEMV_THREADS // 2, cond=lambda s: s > 0, next=lambda s: s >> 1) as s:
+        with kb.if_(t < s):
+            with kb.loop("r", 0, rows) as r:
+                red[r * GEMV_THREADS + t] = red[r * GEMV_THREADS + t] + red[r * GEMV_THREADS + t + s]
+        kb.barrier()
+    with kb.if_(t < rows):
+        inv[t] = 1.0 / call("sqrt", red[t * GEMV_THREADS] / cast(F32, k) + float(norm[1]))
+    kb.barrier()
+    return inv
 
 
 def _store(outs: list[Buffer], widths: list[int], res: Buffer | None) -> Store:
@@ -223,23 +274,29 @@ def matmul_launch(ctx: NodeCtx) -> None:
     _matmul(ctx, x, [w], [ctx.outs[0]], res)
 
 
-def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) -> None:
+def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list,
+            norm: tuple[Value, float] | None = None, swiglu: bool = False) -> None:
     """x @ wᵀ over the rows of `weights` side by side (one weight, or a matmul_group's),
-    output i getting weight i's columns. GPU profile: a GEMV for up to GEMV_ROWS rows, else
-    a tiled GEMM; with a symbolic row count both are planned and the launch picks one per
-    call (a prefill's single logits row is a GEMV, its 512 hidden rows a GEMM). CPU profile:
-    Q8_0 weights in register tiles (_tiled_product), other weights in the rowwise schedule."""
+    output i getting weight i's columns; with `norm` x RMS-normalised first, with `swiglu`
+    silu(x @ w0ᵀ) * (x @ w1ᵀ) into the one output (both only where the caller checked that
+    this profile's kernel takes them). GPU profile: the node's `form` chooses a GEMV (a few
+    rows: a decode, verify or draft block) or a tiled GEMM; a node without one (a plain f32
+    matmul) gets both and the launch picks one per call by its row count. CPU profile: Q8_0
+    weights in register tiles (_tiled_product), other weights in the rowwise schedule."""
     dtype, k = weights[0].type.dtype, weights[0].type.shape[1]
     if ctx.profile == "cpu" and dtype is DType.Q8_0:
-        _tiled_product(ctx, x_value, weights, outs, res[0] if res else None)
+        _tiled_product(ctx, x_value, weights, outs, res[0] if res else None, norm=norm, swiglu=swiglu)
         return
     widths = [o.type.shape[-1] for o in outs]
-    n = sum(widths)
+    n = widths[0] if swiglu else sum(widths)
     M, N = prod(x_value.type.shape[:-1]), const(n)
     x_q8 = x_value.type.dtype is DType.Q8_0
     rowwise = ctx.profile == "cpu"
     w_value = weights[0] if len(weights) == 1 else ctx.packed(weights, "as_stored")
     fixed = M.arg if M.op == "const" else None
+    form = ctx.attr.get("form")
+    gemv = form == "gemv" if form else fixed is None or fixed <= GEMV_ROWS
+    gemm = form == "gemm" if form else fixed is None or fixed > GEMV_ROWS
 
     def kernel(op: str, local) -> tuple[KernelSpec, Buffer, Buffer, Store]:
         kb = ctx.kernel(op, local=local)
@@ -256,18 +313,21 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list) 
                 _rowwise(kb, dtype, M, n, k, rows, store, w, x)
                 kb.launch(rowwise_groups(M, n, rows), when=None if fixed else when)
         return
-    if fixed is None or fixed <= GEMV_ROWS:
+    if gemv:
         g = Gemv(dtype, k)
         rows = min(fixed, GEMV_ROWS) if fixed else GEMV_ROWS
         kb, x, w, store = kernel("matmul_gemv", (g.lanes, g.cols))
         n_col = kb.let("n", kb.gid(0) * g.cols + kb.lid(1))
         r0 = kb.let("r0", kb.gid(1) * rows)
-        _gemv(kb, g, rows, M, N, n_col, r0, w, n_col, x, lambda row: cast(I64, row) * dim(k), store, x_q8)
-        kb.launch([cdiv(N, g.cols), cdiv(M, rows)], when=None if fixed else M <= GEMV_ROWS)
-    if fixed is None or fixed > GEMV_ROWS:
+        wrows = (n_col, n_col + n) if swiglu else (n_col,)
+        normed = (kb.bind("norm", norm[0]), norm[1]) if norm else None
+        _gemv(kb, g, rows, M, N, n_col, r0, w, wrows, x, lambda row: cast(I64, row) * dim(k), store, x_q8, normed)
+        kb.launch([cdiv(N, g.cols), cdiv(M, rows)], when=None if fixed or form else M <= GEMV_ROWS)
+    if gemm:
+        assert not (norm or swiglu), "the GEMM takes no prologue or epilogue: fused_matmul lowers as its parts"
         kb, x, w, store = kernel("matmul_gemm", (THREADS, THREADS))
         _gemm(kb, dtype, M, n, k, store, x, w, x_q8)
-        kb.launch([cdiv(N, TILE), cdiv(M, TILE)], when=None if fixed else M > GEMV_ROWS)
+        kb.launch([cdiv(N, TILE), cdiv(M, TILE)], when=None if fixed or form else M > GEMV_ROWS)
 
 
 COLS = 16         # outputs per vector in the CPU tiles (quant.pack_q8_0_cols16's groups)
@@ -472,16 +532,19 @@ def _store_member(kb: KernelSpec, t: Tiled, i: int, out: Buffer, row: K, unit: K
 
 @lowers("fused_matmul")
 def fused_matmul(ctx: NodeCtx) -> None:
-    """CPU profile, Q8_0: one tiled kernel with the norm and the SwiGLU inside. Elsewhere
-    the parts' kernels (kernels/fused.py)."""
+    """One kernel with the norm and the SwiGLU inside: the CPU tiles (Q8_0 weights) and the
+    GPU GEMV (f32 x, a few rows). Elsewhere (a prefill's GEMM) the parts' kernels
+    (kernels/fused.py)."""
     a = ctx.attr
     x, *operands = ctx.ins
     norm = (operands[0], a["norm_eps"]) if a["norm_eps"] is not None else None
     weights = operands[1:] if norm else operands
-    if ctx.profile != "cpu" or weights[0].type.dtype is not DType.Q8_0:
+    cpu_tiles = ctx.profile == "cpu" and weights[0].type.dtype is DType.Q8_0
+    gpu_gemv = ctx.profile == "gpu" and a["form"] == "gemv" and x.type.dtype is DType.F32
+    if not (cpu_tiles or gpu_gemv):
         fused_matmul_parts(ctx)
         return
-    _tiled_product(ctx, x, weights, ctx.outs, norm=norm, swiglu=a["epilogue"] == "swiglu")
+    _matmul(ctx, x, weights, ctx.outs, [], norm=norm, swiglu=a["epilogue"] == "swiglu")
 
 
 @lowers("matmul_group")
@@ -544,9 +607,9 @@ def matmul(ctx: NodeCtx) -> None:
     matmul_launch(ctx)
 
 
-@lowers("matmul_q8_0", "matmul_f16")
+@lowers(*OPS.values())
 def matmul_specialised(ctx: NodeCtx) -> None:
-    """The `form` attr is only a hint here: the row count is known at launch."""
+    """`form` chooses the GPU kernel (_matmul)."""
     matmul_launch(ctx)
 
 

@@ -157,7 +157,7 @@ def _specialised(op: str, dtype: DType, form: str, residual: bool, q8: bool = Fa
     return make
 
 
-for _form, _t in (("gemv", 1), ("gemv", 3), ("gemv", 20), ("gemm", 37)):  # the form is a hint: rows decide
+for _form, _t in (("gemv", 1), ("gemv", 3), ("gemv", 20), ("gemm", 37), ("gemm", 5)):  # a GEMV serves any rows
     case(f"matmul_q8_0_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, residual=_t == 3))
     case(f"matmul_q8_0_q8_x_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, _form, _t == 20, q8=True))
     case(f"matmul_f16_residual_{_t}_rows", T=_t)(_specialised("matmul_f16", F16, _form, residual=True))
@@ -171,12 +171,13 @@ for _dt, _t, _q8 in ((Q8, 1, False), (Q8, 5, False), (F16, 3, False), (Q8, 4, Tr
                           form="gemv", K=64, Ns=(24, 8, 36), layout=f"{dt}_rowmajor")))
 
 
-def _fused_matmul(dtype: DType, widths: tuple[int, ...], norm: bool, epilogue: str, q8: bool = False, k: int = 96):
+def _fused_matmul(dtype: DType, widths: tuple[int, ...], norm: bool, epilogue: str, q8: bool = False, k: int = 96,
+                  form: str = "gemv"):
     """Products with the norm before and the SwiGLU after (ragged widths: groups of 16 padded)."""
     def make(c: CaseBuilder) -> None:
         x = c.x("x", ("T", k))
         operands = ([c.w("norm", (k,), F32)] if norm else []) + [c.w(f"w{i}", (n, k), dtype) for i, n in enumerate(widths)]
-        out = c.b.op("fused_matmul", c.b.op("quantize_q8_0", x) if q8 else x, *operands, op=OPS[dtype], form="gemv",
+        out = c.b.op("fused_matmul", c.b.op("quantize_q8_0", x) if q8 else x, *operands, op=OPS[dtype], form=form,
                      K=k, Ns=widths, layout=f"{dtype}_rowmajor", norm_eps=1e-6 if norm else None, epilogue=epilogue)
         c.out(*(out if isinstance(out, tuple) else (out,)))
     return make
@@ -186,6 +187,7 @@ for _t in (1, 3, 9):  # the CPU tiles' row buckets: 1, up to 4, past 8
     case(f"fused_matmul_norm_group_{_t}_rows", T=_t)(_fused_matmul(Q8, (24, 8, 36), True, "none"))
     case(f"fused_matmul_norm_swiglu_{_t}_rows", T=_t)(_fused_matmul(Q8, (40, 40), True, "swiglu"))
 case("fused_matmul_norm_one_f16", T=2)(_fused_matmul(F16, (20,), True, "none"))
+case("fused_matmul_norm_swiglu_gemm", T=21)(_fused_matmul(Q8, (40, 40), True, "swiglu", form="gemm"))
 case("fused_matmul_swiglu_q8_x", T=5)(_fused_matmul(Q8, (48, 48), False, "swiglu", q8=True))
 for _dt in (F16, Q8):
     case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(

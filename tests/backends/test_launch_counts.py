@@ -1,0 +1,52 @@
+"""Kernels launched per decode token and per 16-row verify of the benchmark's synthetic target
+shape (16 layers: 12 Gated DeltaNet, 4 attention) at -O2, in both device profiles.
+
+Every layer is five launches: norm + input projections (one fused_matmul), the layer's core
+(fused_gated_deltanet or fused_attention), the output projection + residual, norm + gate/up +
+SwiGLU, down + residual. Five is the floor without a grid-wide barrier: each of those
+launches needs all outputs of the one before (a norm needs the whole row, a projection the
+whole core output). Beside the layers a token launches the embedding, the LM head with the
+final norm, the argmax and the concatenation of the tapped hidden states the draft reads; a
+verify also gathers its rows' states."""
+import pytest
+
+from dflash_ir.artifact import open_pair
+from dflash_ir.backends.lowering import lower
+from dflash_ir.backends.plan import compile_expr
+from dflash_ir.benchmark.models import SMALL_SHAPE
+from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
+
+LAYERS = 16
+PER_LAYER = 5
+
+
+@pytest.fixture(scope="module")
+def graphs(tmp_path_factory):
+    """The synthetic target's make (SMALL_SHAPE's sizes: launches do not depend on them) with 16 layers."""
+    d = tmp_path_factory.mktemp("launch-counts")
+    cfg = tiny_target_config("qwen35", **dict(SMALL_SHAPE, n_layer=LAYERS))
+    write_target(d / "target.gguf", cfg, dtype="q8_0", seed=0)
+    write_draft(d / "draft.gguf", tiny_draft_config(cfg, n_layer=1), target_cfg=cfg, dtype="q8_0", seed=1)
+    assert sum(cfg.layer_is_recurrent) == 12
+    return open_pair(d / "target.gguf", d / "draft.gguf", opt_level=2).graphs
+
+
+def launched(graph, profile: str, rows: int) -> list[str]:
+    """The kernels one call at `rows` rows launches, in order (constant steps excluded)."""
+    env = {"n_T": rows, "n_R": rows, "n_C": 64}
+    return [la.kernel for s in lower(graph, profile).steps if not s.constant
+            for la in s.launches if not la.when or compile_expr(la.when)(env)]
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+@pytest.mark.parametrize("name, rows, extra", [("target.decode", 1, ("embedding", "argmax", "concat")),
+                                               ("target.verify", 16, ("embedding", "argmax", "concat", "gather"))])
+def test_a_token_is_five_launches_per_layer(graphs, profile, name, rows, extra):
+    kernels = launched(graphs[name], profile, rows)
+    products = [k for k in kernels if k.startswith("matmul_")]
+    cores = [k for k in kernels if k.startswith(("fused_gated_deltanet", "fused_attention"))]
+    others = sorted(k.split("_")[0] for k in kernels if k not in products and k not in cores)
+    assert len(cores) == LAYERS
+    assert len(products) == (PER_LAYER - 1) * LAYERS + 1  # the LM head with its norm
+    assert others == sorted(extra)
+    assert len(kernels) == PER_LAYER * LAYERS + 1 + len(extra)

@@ -38,8 +38,8 @@ from .kir.size import size_expr
 from .plan import Check, Launch, Plan, Step, packed_type, symbol_param
 
 # the element type a value's buffer holds in kernels
-ELEMENT = {DType.F32: "f32", DType.F16: "u16", DType.BF16: "u16", DType.Q8_0: "u8", DType.I32: "i32",
-           DType.I64: "i64", DType.BOOL: "u8"}
+ELEMENT = {DType.F32: "f32", DType.F16: "u16", DType.BF16: "u16", DType.I32: "i32",
+           DType.I64: "i64", DType.BOOL: "u8"} | {d: "u8" for d in DType if d.is_block}
 
 LOWERINGS: dict[str, Callable[["NodeCtx"], None]] = {}  # op -> kernel builder
 PROFILES = ("gpu", "cpu")

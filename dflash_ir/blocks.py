@@ -6,7 +6,8 @@ it with `i` an array of every element index and a reader over many blocks at onc
 kernel layer (backends/kernels/access.py) calls it with `i` a kernel expression and a
 reader that emits loads. So the layout facts live here only, and every consumer decodes
 the same way. Decoders use only what both sides share: integer + - * << >> & | on the
-indices and bytes, comparisons with <, and the reader's methods:
+indices and bytes (with the kernel value on the left of a shift), comparisons with <, and
+the reader's methods:
 
     r.u8(byte)          the block's byte at `byte` (an index expression), as an int
     r.f16(byte)         the f16 at a constant even byte, as f32
@@ -117,9 +118,9 @@ def _iq4_xs(r, i):
 
 def _mxfp4(r, i):
     """The shared E8M0 exponent e scales by 2^(e - 128) (half of 2^(e - 127): the codebook is
-    doubled); e < 2 gives a subnormal f32."""
+    doubled); e < 2 gives a subnormal f32 (2^-128 is 0x00200000 as bits, 2^-127 twice that)."""
     e = r.u8(0)
-    d = r.f32_bits(r.select(e < 2, 0x00200000 << e, (e - 1) << 23))
+    d = r.f32_bits(r.select(e < 2, (e + 1) * 0x00200000, (e - 1) << 23))
     return d * r.table("mxfp4", MXFP4_VALUES, bits(r, i, 1, 16, 4))
 
 

@@ -130,7 +130,7 @@ def _decode_blocks(storage: np.ndarray, dtype: DType) -> np.ndarray:
     i = np.arange(dtype.block_size, dtype=np.int32)
     with np.errstate(invalid="ignore", over="ignore"):  # inf/NaN scales decode as in ggml
         values = DECODERS[dtype](_BlockReader(blocks), i)
-    return np.broadcast_to(values, (*blocks.shape[:-1], dtype.block_size)).reshape(*storage.shape[:-1], -1)
+    return values.reshape(*storage.shape[:-1], -1)  # every value depends on i: a new [..., nb, block] array
 
 
 def _round_half_away(v: np.ndarray) -> np.ndarray:

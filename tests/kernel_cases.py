@@ -21,12 +21,14 @@ from typing import Callable
 
 import numpy as np
 
+from dflash_ir.blocks import DECODERS
 from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
 from dflash_ir.interpreter import Interpreter
 from dflash_ir.ir import Graph, Value
 from dflash_ir.ops.specialised import OPS
 from dflash_ir.quant import quantize
+from quant_blocks import random_blocks
 
 F32, F16, BF16, Q8, I32 = DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32
 TOL = 1e-5
@@ -61,7 +63,11 @@ class CaseBuilder:
         return self.b.input(name, I32, ())
 
     def w(self, name: str, shape, dtype: DType = F32, scale: float = 0.5) -> Value:
-        self.weights[name] = quantize(self.rng.standard_normal(shape).astype(np.float32) * np.float32(scale), dtype)
+        """Random weights rounded to `dtype`; block types other than Q8_0 as random blocks."""
+        if dtype in DECODERS:
+            self.weights[name] = random_blocks(self.rng, shape, dtype)
+        else:
+            self.weights[name] = quantize(self.rng.standard_normal(shape).astype(np.float32) * np.float32(scale), dtype)
         return self.b.weight(name, dtype, shape)
 
     def s(self, name: str, shape, scale: float = 0.5) -> Value:
@@ -147,13 +153,13 @@ for _rows in (1, 6):  # K = 34 Q8_0 blocks: two runs of 16 scales converted at o
 case("matmul_vector")(lambda c: c.out(c.b.matmul(c.x("x", (64,)), c.w("w", (5, 64), F16))))
 
 
-def _specialised(op: str, dtype: DType, form: str, residual: bool, q8: bool = False, k: int = 128):
+def _specialised(op: str, dtype: DType, form: str, residual: bool, q8: bool = False, k: int = 128, n: int = 48):
     """q8: x quantised to Q8_0 first (the q8 numerics mode's integer products)."""
     def make(c: CaseBuilder) -> None:
         x = c.x("x", ("T", k))
-        extra = [c.x("r", ("T", 48))] if residual else []
-        c.out(c.b.op(op, c.b.op("quantize_q8_0", x) if q8 else x, c.w("w", (48, k), dtype), *extra, form=form,
-                     K=k, N=48, layout=f"{dtype}_rowmajor"))
+        extra = [c.x("r", ("T", n))] if residual else []
+        c.out(c.b.op(op, c.b.op("quantize_q8_0", x) if q8 else x, c.w("w", (n, k), dtype), *extra, form=form,
+                     K=k, N=n, layout=f"{dtype}_rowmajor"))
     return make
 
 
@@ -169,6 +175,16 @@ for _dt, _t, _q8 in ((Q8, 1, False), (Q8, 5, False), (F16, 3, False), (Q8, 4, Tr
         *c.b.matmul_group(c.b.op("quantize_q8_0", c.x("x", ("T", 64))) if q8 else c.x("x", ("T", 64)),
                           *(c.w(f"w{i}", (n, 64), dt) for i, n in enumerate((24, 8, 36))), op=OPS[dt],
                           form="gemv", K=64, Ns=(24, 8, 36), layout=f"{dt}_rowmajor")))
+
+
+# every block decoder in the matmul kernels: N ragged (19), K two blocks of 256 or 32 ... 320,
+# rows 1, 3, 16 (GEMV) and 37 (GEMM) in turn; a K-quant table through embedding and dequantize
+for _i, _dt in enumerate(DECODERS):
+    _t = (1, 3, 16, 37)[_i % 4]
+    case(f"matmul_{_dt}_{_t}_rows", T=_t)(_specialised(OPS[_dt], _dt, "gemv" if _t <= 16 else "gemm", residual=_i == 1,
+                                                       k=2 * _dt.block_size if _dt.block_size > 32 else 320, n=19))
+case("embedding_q6_k", T=5)(lambda c: c.out(c.b.embedding(c.w("table", (7, 256), DType.Q6_K), c.ints("ids", ("T",), 7))))
+case("dequantize_q4_k")(lambda c: c.out(c.b.dequantize(c.w("w", (3, 512), DType.Q4_K))))
 
 
 def _fused_matmul(dtype: DType, widths: tuple[int, ...], norm: bool, epilogue: str, q8: bool = False, k: int = 96,

@@ -13,15 +13,9 @@ from dflash_ir.dtypes import GGML_TYPE_IDS, DType
 from dflash_ir.models.gguf_file import open_gguf
 from dflash_ir.ops.linalg import as_f32, storage_dtype
 from dflash_ir.quant import dequantize, storage_shape
+from quant_blocks import set_scales
 
 TYPES = list(DECODERS)
-# byte offsets of each type's f16 scale fields (d, and dmin / m where there is one), from
-# ggml-common.h; MXFP4's one scale is an E8M0 byte at 0
-F16_FIELDS = {
-    DType.Q4_0: (0,), DType.Q4_1: (0, 2), DType.Q5_0: (0,), DType.Q5_1: (0, 2), DType.Q2_K: (80, 82),
-    DType.Q3_K: (108,), DType.Q4_K: (0, 2), DType.Q5_K: (0, 2), DType.Q6_K: (208,), DType.IQ4_NL: (0,),
-    DType.IQ4_XS: (0,), DType.MXFP4: (),
-}
 # finite f16 scales worth hitting: zero, negative zero, subnormals, the extremes, ordinary values
 SCALES = np.array([0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-15 * 3, 2.0**-14, 65504.0, -65504.0, 1.0, -0.0123,
                    0.5, 7.25], np.float16)
@@ -36,12 +30,7 @@ def _blocks(dtype: DType, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, size=(n, dtype.block_bytes), dtype=np.uint8)
     raw[n // 3: 2 * n // 3] = 0x00
     raw[2 * n // 3:] = 0xFF
-    for k, at in enumerate(F16_FIELDS[dtype]):
-        values = np.roll(np.tile(SCALES, 3), k)  # d and dmin take different values in one block
-        raw[:, at:at + 2] = values.view(np.uint8).reshape(-1, 2)
-    if dtype is DType.MXFP4:
-        raw[:, 0] = np.resize(E8M0, n)
-    return raw
+    return set_scales(raw, dtype, SCALES, E8M0)
 
 
 def _gguf_values(raw: np.ndarray, dtype: DType) -> np.ndarray:
@@ -63,7 +52,7 @@ def test_dequantize_equals_gguf_bit_for_bit(dtype):
     expected = _gguf_values(raw, dtype)
     assert not np.isnan(expected).any()
     got = dequantize(raw.reshape(-1).view(dtype.numpy()), dtype)
-    assert got.dtype == np.float32 and got.shape == (raw.size // dtype.block_bytes * dtype.block_size,)
+    assert got.dtype == np.float32 and got.flags.writeable and got.shape == (raw.size // dtype.block_bytes * dtype.block_size,)
     assert np.array_equal(got.view(np.uint32), expected.reshape(-1).view(np.uint32))
     negative_zero = np.signbit(expected) & (expected == 0)
     # E8M0 scales are positive; d * q + m is -0 only where m is -0 as well

@@ -1,19 +1,21 @@
 """Reading and writing values in kernels: raw elements of any dtype's buffer, weights as f32
-in their storage type (f32, f16, bf16, Q8_0 blocks as the GGUF stores them), and the
-device functions the ops share."""
+in their storage type (f32, f16, bf16, Q8_0 and the other block types as the GGUF stores
+them: a block type's value is its decoder from dflash_ir/blocks.py, read through
+`_BlockLoads`), and the device functions the ops share."""
 from __future__ import annotations
 
+from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
-from ..kir import F32, I64, K, call, cast, function, maximum, select
+from ..kir import F32, I32, I64, K, bitcast, call, call_function, cast, function, maximum, select
 from ..kir.build import Buffer
 from ..lowering import dim
 
 # the view a raw element of each dtype is read and written as (copies keep the bits)
 RAW = {DType.F32: "f32", DType.I32: "i32", DType.I64: "i64", DType.F16: "u16", DType.BF16: "u16",
-       DType.Q8_0: "u8", DType.BOOL: "u8"}
+       DType.BOOL: "u8"} | {d: "u8" for d in DType if d.is_block}
 _WEIGHT_VIEW = {DType.F32: "f32", DType.F16: "f16", DType.BF16: "bf16"}
 Q8_BLOCK = 34  # a Q8_0 block: f16 scale d, then 32 int8 quants
 
@@ -38,7 +40,48 @@ def weight_at(dtype: DType, buf: Buffer, row: K, col: K, k: Dim) -> K:
     if dtype is DType.Q8_0:
         block = cast(I64, row) * q8_row_bytes(k) + (col >> 5) * Q8_BLOCK
         return buf.load(block / 2, "f16") * cast(F32, buf.load(block + 2 + (col & 31), "i8"))
+    if dtype in DECODERS:
+        size, nbytes = dtype.block_size, dtype.block_bytes
+        block = cast(I64, row) * (dim(k) / size * nbytes) + (col >> (size.bit_length() - 1)) * nbytes
+        return DECODERS[dtype](_BlockLoads(buf, block), col & (size - 1))
     raise ValueError(f"{dtype} is not a weight dtype")
+
+
+class _BlockLoads:
+    """The block decoders' reader (dflash_ir/blocks.py) in a kernel: loads from the block at
+    byte `block` of a u8 buffer. Block types with f16 fields have an even block size, so an
+    f16 is a u16-aligned load."""
+
+    def __init__(self, buf: Buffer, block: K):
+        self.buf, self.block = buf, block
+
+    def u8(self, byte) -> K:
+        return self.buf.load(self.block + byte, "u8")
+
+    def f16(self, byte: int) -> K:
+        return self.buf.load((self.block + byte) / 2, "f16")
+
+    @staticmethod
+    def f32(x) -> K:
+        return cast(F32, x)
+
+    @staticmethod
+    def f32_bits(x: K) -> K:
+        return bitcast(F32, cast(I32, x))
+
+    @staticmethod
+    def select(cond: K, a, b) -> K:
+        return select(cond, a, b)
+
+    @staticmethod
+    def table(name: str, values, index: K) -> K:
+        return call_function(_table(name, tuple(values)), index)
+
+
+def _table(name: str, values: tuple) -> object:
+    """A device function returning entry q of a constant table (one per codebook)."""
+    return function(f"{name}_value", [("q", I32)],
+                    lambda kb, q: kb.array("values", F32, len(values), init=[float(v) for v in values])[q])
 
 
 def _sigmoid(kb, x: K) -> K:

@@ -5,6 +5,7 @@ expert_matmul. Products are reduction blocks, which dlight's GEMV / matmul rules
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
+from dflash_ir.ops.specialised import OPS
 
 from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, float_to_half, prod, q8_quant, q8_scale, round_half_away, weight_at
@@ -41,7 +42,7 @@ def _residual(ctx: TVMNodeCtx, product, residual, m: str, n) -> None:
                block([("i", f"{m} * {dim(n)}")], "out[i] = product[i] + residual[i]"))
 
 
-@lowers("matmul", "matmul_q8_0", "matmul_f16")
+@lowers("matmul", *OPS.values())
 def matmul(ctx: TVMNodeCtx) -> None:
     """x @ wᵀ [+ residual]: the specialised forms' `form` attr is a hint the rows decide."""
     x, w, *res = ctx.ins

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
@@ -21,8 +22,8 @@ from dflash_ir.types import Dim
 from ..plan import symbol_param
 
 # f16 is stored and moved as its bits (PoCL has no cl_khr_fp16); half_to_float / float_to_half convert
-TVM_DTYPES = {DType.F32: "float32", DType.F16: "uint16", DType.BF16: "uint16", DType.Q8_0: "uint8",
-              DType.I32: "int32", DType.I64: "int64", DType.BOOL: "uint8"}
+TVM_DTYPES = {DType.F32: "float32", DType.F16: "uint16", DType.BF16: "uint16", DType.I32: "int32",
+              DType.I64: "int64", DType.BOOL: "uint8"} | {d: "uint8" for d in DType if d.is_block}
 
 
 def dim(d: Dim) -> str:
@@ -44,10 +45,10 @@ def prod(dims: Sequence[Dim]) -> str:
 
 
 def storage_size(v: Value) -> str:
-    """Elements of the value's storage (Q8_0: bytes) as a size expression."""
-    shape = v.type.shape
-    if v.type.dtype is DType.Q8_0:
-        return prod(shape[:-1] + (shape[-1] // 32 * 34,))
+    """Elements of the value's storage (block types: bytes) as a size expression."""
+    shape, dtype = v.type.shape, v.type.dtype
+    if dtype.is_block:
+        return prod(shape[:-1] + (shape[-1] // dtype.block_size * dtype.block_bytes,))
     return prod(shape)
 
 
@@ -97,6 +98,11 @@ def weight_at(dtype: DType, buf: str, row: str, col: str, k: Dim) -> str:
         return f'T.reinterpret("float32", T.shift_left(T.Cast("uint32", {buf}[({row}) * {dim(k)} + {col}]), T.uint32(16)))'
     if dtype is DType.Q8_0:
         return f"({q8_scale(buf, row, f'({col}) // 32', k)} * {q8_quant(buf, row, col, k)})"
+    if dtype in DECODERS:
+        size, nbytes = dtype.block_size, dtype.block_bytes
+        row_bytes = k // size * nbytes if isinstance(k, int) else f"({dim(k)} // {size} * {nbytes})"
+        block = f"(({row}) * {row_bytes} + ({col}) // {size} * {nbytes})"
+        return str(DECODERS[dtype](_BlockText(buf, block), _Text(f"(({col}) % {size})")))
     raise ValueError(f"{dtype} is not a weight dtype")
 
 
@@ -105,8 +111,67 @@ def q8_block(row: str, block: str, k: Dim) -> str:
 
 
 def q8_scale(buf: str, row: str, block: str, k: Dim) -> str:
-    at = q8_block(row, block, k)
-    return half_to_float(f'T.bitwise_or(T.Cast("uint16", {buf}[{at}]), T.shift_left(T.Cast("uint16", {buf}[{at} + 1]), T.uint16(8)))')
+    return half_to_float(_u16_at(buf, q8_block(row, block, k)))
+
+
+def _u16_at(buf: str, at: str) -> str:
+    """The little-endian u16 at byte `at` of a uint8 buffer (blocks are not 2-byte aligned here)."""
+    return f'T.bitwise_or(T.Cast("uint16", {buf}[{at}]), T.shift_left(T.Cast("uint16", {buf}[{at} + 1]), T.uint16(8)))'
+
+
+class _Text(str):
+    """An int32 or float32 TIR expression as TVMScript text, with the operators the block
+    decoders (dflash_ir/blocks.py) use; Python ints are int32 literals."""
+
+    def _bin(self, fmt: str, other, swap: bool = False) -> "_Text":
+        a, b = (str(other), str(self)) if swap else (str(self), str(other))
+        return _Text(fmt.format(a, b))
+
+    def __add__(self, o): return self._bin("({} + {})", o)
+    def __radd__(self, o): return self._bin("({} + {})", o, True)
+    def __sub__(self, o): return self._bin("({} - {})", o)
+    def __rsub__(self, o): return self._bin("({} - {})", o, True)
+    def __mul__(self, o): return self._bin("({} * {})", o)
+    def __rmul__(self, o): return self._bin("({} * {})", o, True)
+    def __lshift__(self, o): return self._bin("T.shift_left({}, {})", o)
+    def __rshift__(self, o): return self._bin("T.shift_right({}, {})", o)
+    def __and__(self, o): return self._bin("T.bitwise_and({}, {})", o)
+    def __or__(self, o): return self._bin("T.bitwise_or({}, {})", o)
+    def __xor__(self, o): return self._bin("T.bitwise_xor({}, {})", o)
+    def __lt__(self, o): return self._bin("({} < {})", o)
+
+
+class _BlockText:
+    """The block decoders' reader over the block at byte `block` of uint8 buffer `buf`."""
+
+    def __init__(self, buf: str, block: str):
+        self.buf, self.block = buf, block
+
+    def u8(self, byte) -> _Text:
+        return _Text(f'T.Cast("int32", {self.buf}[{self.block} + {byte}])')
+
+    def f16(self, byte: int) -> _Text:
+        return _Text(half_to_float(_u16_at(self.buf, f"{self.block} + {byte}")))
+
+    @staticmethod
+    def f32(x) -> _Text:
+        return _Text(f'T.Cast("float32", {x})')
+
+    @staticmethod
+    def f32_bits(x) -> _Text:
+        return _Text(f'T.reinterpret("float32", {x})')
+
+    @staticmethod
+    def select(cond, a, b) -> _Text:
+        return _Text(f"T.if_then_else({cond}, {a}, {b})")
+
+    @staticmethod
+    def table(name: str, values, index) -> _Text:
+        """A chain of selects (TIR has no constant arrays in an expression)."""
+        text = f"T.float32({float(values[-1])!r})"
+        for q in range(len(values) - 2, -1, -1):
+            text = f"T.if_then_else({index} == {q}, T.float32({float(values[q])!r}), {text})"
+        return _Text(text)
 
 
 def _u32(v: int) -> str:

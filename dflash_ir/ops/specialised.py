@@ -1,7 +1,9 @@
-"""Matmuls specialised to their weight's storage type: `matmul_q8_0` and `matmul_f16`.
+"""Matmuls specialised to their weight's storage type: `matmul_q8_0`, `matmul_f16`, and
+`matmul_<type>` for every other block type (`matmul_q4_k`, `matmul_iq4_xs`, ...).
 
 They read the weight as stored (Q8_0: rows of 34-byte blocks, fp16 scale then 32 int8;
-F16: halves) and dequantise inside, never materialising the f32 matrix. Attributes carry
+F16: halves; other block types: rows of their blocks, decoded by dflash_ir/blocks.py) and
+dequantise inside, never materialising the f32 matrix. Attributes carry
 what a kernel generator needs without looking at shapes: `form` (gemv for a few rows,
 gemm for many), the constants K and N, the weight `layout` a backend packs, an optional
 fused `residual` input (out = x @ wᵀ + residual).
@@ -27,8 +29,10 @@ from .rules import check, choice_attr, defop, expect_dtype, int_attr
 
 F32 = np.float32
 FORMS = ("gemv", "gemm")
-LAYOUTS = {DType.Q8_0: "q8_0_rowmajor", DType.F16: "f16_rowmajor"}
-OPS = {DType.Q8_0: "matmul_q8_0", DType.F16: "matmul_f16"}
+# one specialised op per stored weight type: F16 and every block type (dflash_ir/blocks.py decoders)
+_STORED = (DType.F16, *(d for d in DType if d.is_block))
+LAYOUTS = {d: f"{d.value}_rowmajor" for d in _STORED}
+OPS = {d: f"matmul_{d.value}" for d in _STORED}
 _BLOCK = DType.Q8_0.block_size
 _BLOCK_BYTES = DType.Q8_0.block_bytes
 # weight rows handled at once by the Q8_0 x Q8_0 path (bounds its [blocks, T, rows] temporaries)

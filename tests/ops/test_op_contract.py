@@ -2,10 +2,13 @@
 import numpy as np
 import pytest
 
+from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
+from dflash_ir.ops.specialised import OPS
 from dflash_ir.ops.registry import all_ops, get_op
 from dflash_ir.quant import quantize, storage_shape
 from dflash_ir.types import parse_type
+from quant_blocks import random_blocks
 
 BINDINGS = {"T": 3, "C": 6}
 rng = np.random.default_rng(1)
@@ -75,7 +78,8 @@ CASES = [  # op, inputs (type strings, or arrays where values matter), attrs
      {"op": "matmul_q8_0", "form": "gemv", "K": 64, "Ns": (5, 3), "layout": "q8_0_rowmajor"}),
     ("swiglu", ("f32[T,4]", "f32[T,4]"), {}),
     ("sigmoid_gate", ("f32[T,4]", "f32[4]"), {}),
-]
+] + [(OPS[d], ("f32[T,256]", f"{d}[5,256]"), {"form": "gemv", "K": 256, "N": 5, "layout": f"{d}_rowmajor"})
+     for d in DECODERS]
 
 
 def sample(t):
@@ -83,6 +87,8 @@ def sample(t):
     shape = t.concrete(BINDINGS)
     if t.dtype is DType.I32:
         return rng.integers(0, 3, shape).astype(np.int32)
+    if t.dtype in DECODERS:
+        return random_blocks(rng, shape, t.dtype)
     return quantize(rng.standard_normal(shape).astype(np.float32), t.dtype)
 
 

@@ -29,13 +29,13 @@ from typing import Callable, Sequence
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph, Node, Value
 from dflash_ir.ops.registry import get_op
-from dflash_ir.passes.plan_memory import Liveness
+from dflash_ir.passes.plan_memory import Liveness, size_class
 from dflash_ir.types import TensorType
 
 from .kir import K, KernelBuilder, const, var
 from .kir.build import Buffer
 from .kir.size import size_expr
-from .plan import Check, Launch, Plan, Step, packed_type, symbol_param
+from .plan import Check, Launch, Plan, Step, contracts_of, packed_bytes, packed_type, symbol_param
 
 # the element type a value's buffer holds in kernels
 ELEMENT = {DType.F32: "f32", DType.F16: "u16", DType.BF16: "u16", DType.I32: "i32",
@@ -209,6 +209,13 @@ class Lowering:
     def root(self, name: str) -> str:
         return self.live.root(name)
 
+    def extent(self, name: str):
+        """The bytes value `name`'s buffer holds (plan.Extent): a pack's as its layout packs it."""
+        if name in self.plan.packs:
+            roots, layout = self.plan.packs[name]
+            return (), packed_bytes([self.values[r].type for r in roots], layout)
+        return size_class(self.values[name].type)
+
     def run(self) -> Plan:
         for i, node in enumerate(self.graph.nodes):
             ctx = self.ctx_class(self, i, node)
@@ -216,6 +223,8 @@ class Lowering:
             constant = i in self.live.constant_nodes  # runs once, at load
             self.plan.steps.append(Step(i, tuple(ctx.launches), constant, tuple(ctx.temps)))
         self.plan.slots, self.plan.buffers = self.live.assign({n: v.type for n, v in self.values.items()})
+        self.plan.extents = {b: self.extent(b) for s in self.plan.steps for l in s.launches for b in l.buffers}
+        self.plan.contracts = contracts_of(self.plan.steps, self.plan.extents.__getitem__)
         return self.plan
 
 

@@ -14,23 +14,42 @@ The memory plan is in the plan too (made at the end of lowering by passes/plan_m
 `slots`, each (symbols, bytes per unit of their product), so one plan sizes its buffers for
 every call, and `buffers`, the slot of every buffer a call uses; the runner allocates the
 slots once per set of symbol values.
+
+`contracts` say, per kernel, what it was built for (backends/launch_check.py checks every
+launch against them before anything runs): its work-group size, its int parameters, and
+each grid it is launched with together with the bytes each of its buffers must hold then.
 """
 from __future__ import annotations
 
 import ast
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from dflash_ir.quant import pack_q8_0_cols16
+from dflash_ir.quant import COLS, pack_q8_0_cols16, storage_shape
 from dflash_ir.types import TensorType
 
 from .kir.ir import Kernel
 
 # weight layouts a kernel may ask for: name -> storage bytes in that layout
 LAYOUTS = {"q8_0_cols16": pack_q8_0_cols16, "as_stored": np.ascontiguousarray}
+
+
+def packed_bytes(types: Sequence[TensorType], layout: str) -> int:
+    """Bytes of weights of `types` packed one after another in `layout` (what the runner
+    makes of them with LAYOUTS): q8_0_cols16 pads each matrix's rows to whole groups."""
+    total = 0
+    for t in types:
+        shape = storage_shape(t.shape, t.dtype)
+        if layout == "q8_0_cols16":
+            matrices, rows = math.prod(shape[:-2]), (shape[-2] if len(shape) > 1 else 1)
+            total += matrices * -(-rows // COLS) * COLS * shape[-1]
+        else:
+            total += math.prod(shape) * t.dtype.numpy().itemsize
+    return total
 
 
 def packed_type(types: Sequence[TensorType]) -> TensorType:
@@ -93,6 +112,31 @@ class Check:
     flags: tuple[str, ...] = ()
 
 
+Extent = tuple[tuple[str, ...], int]  # (symbols, bytes per unit of their product), as a memory slot
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a kernel was built for: `local` work-items per group, `ints` (the symbol sizes
+    it takes, by parameter name), and `uses`: each grid it is launched with, with the bytes
+    each buffer parameter must hold then: those of the value lowering bound to it, which
+    the kernel stays within on that grid."""
+
+    local: tuple[int, int, int]
+    ints: tuple[str, ...]
+    uses: tuple[tuple[tuple[str, str, str], tuple[Extent, ...]], ...]
+
+
+def contracts_of(steps: Sequence[Step], extent: Callable[[str], Extent]) -> dict[str, Contract]:
+    """The contract of every kernel the steps launch; `extent(value)` the bytes a value's
+    buffer holds. A kernel shared by several nodes has a use per distinct grid and extents."""
+    found: dict[str, tuple[tuple, tuple, dict]] = {}
+    for launch in (l for s in steps for l in s.launches):
+        local, ints, uses = found.setdefault(launch.kernel, (launch.local, launch.ints, {}))
+        uses[(launch.groups, tuple(extent(b) for b in launch.buffers))] = None
+    return {k: Contract(local, ints, tuple(uses)) for k, (local, ints, uses) in found.items()}
+
+
 @dataclass
 class Plan:
     graph: str
@@ -107,6 +151,8 @@ class Plan:
     # temporaries; views by their root in `aliases`, weights and weight-only values resident)
     slots: list[tuple[tuple[str, ...], int]] = field(default_factory=list)
     buffers: dict[str, int] = field(default_factory=dict)
+    contracts: dict[str, Contract] = field(default_factory=dict)
+    extents: dict[str, Extent] = field(default_factory=dict)  # at compile time only: each bound value's bytes
 
     def to_dict(self) -> dict[str, Any]:
         """JSON/YAML-able manifest form, defaults left out: kernels appear by name (their sources
@@ -122,7 +168,11 @@ class Plan:
         return {"graph": self.graph, "steps": [step(s) for s in self.steps if s.launches],
                 "aliases": dict(self.aliases), "temps": dict(self.temps), "checks": [asdict(c) for c in self.checks],
                 **({"packs": {k: [list(w), layout] for k, (w, layout) in self.packs.items()}} if self.packs else {}),
-                "slots": [[list(symbols), per_unit] for symbols, per_unit in self.slots], "buffers": dict(self.buffers)}
+                "slots": [[list(symbols), per_unit] for symbols, per_unit in self.slots], "buffers": dict(self.buffers),
+                "contracts": {k: {"local": list(c.local), "ints": list(c.ints),
+                                  "uses": [{"groups": list(g), "extents": [[list(sy), n] for sy, n in ext]}
+                                           for g, ext in c.uses]}
+                              for k, c in self.contracts.items()}}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "Plan":
@@ -133,7 +183,12 @@ class Plan:
         checks = [Check(c["kind"], c["value"], c["size"], c["rows"], tuple(c["flags"])) for c in d["checks"]]
         packs = {k: (tuple(w), layout) for k, (w, layout) in d.get("packs", {}).items()}
         slots = [(tuple(symbols), per_unit) for symbols, per_unit in d["slots"]]
-        return Plan(d["graph"], {}, steps, dict(d["aliases"]), dict(d["temps"]), checks, packs, slots, dict(d["buffers"]))
+        contracts = {k: Contract(tuple(c["local"]), tuple(c["ints"]),
+                                 tuple((tuple(u["groups"]), tuple((tuple(sy), n) for sy, n in u["extents"]))
+                                       for u in c["uses"]))
+                     for k, c in d["contracts"].items()}
+        return Plan(d["graph"], {}, steps, dict(d["aliases"]), dict(d["temps"]), checks, packs, slots, dict(d["buffers"]),
+                    contracts)
 
     def kernel_names(self) -> list[str]:
         """Every kernel the plan launches, in first-launch order."""

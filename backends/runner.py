@@ -35,6 +35,7 @@ from dflash_ir.passes.plan_memory import slot_bytes
 from dflash_ir.program import BindError, DeviceArray, RunResult, WeightLoader, check_weight
 from dflash_ir.quant import storage_shape
 
+from .launch_check import check_plan
 from .plan import LAYOUTS, Check, Plan, compile_expr, symbol_param
 
 _PLANS_KEPT = 4  # buffer sets kept for distinct symbol values (prefill chunk sizes, T=1, T=16 ...)
@@ -59,6 +60,7 @@ class Resident:
 
     def __init__(self):
         self.buffers: dict[tuple, Any] = {}
+        self.nbytes: dict[tuple, int] = {}
 
 
 class DeviceProgram:
@@ -71,16 +73,20 @@ class DeviceProgram:
         self._memory: OrderedDict[tuple, _Sized] = OrderedDict()
         self._root = lambda name: plan.aliases.get(name, name)
         self._keys = self._constant_keys(weights)
+        self._resident_keys: dict[str, tuple] = {}
         bound = {self._root(b) for step in plan.steps for launch in step.launches for b in launch.buffers}
         by_name = {w.value.name: w for w in graph.weights}
         self._resident = {w.value.name: self._weight(w, weights, resident) for w in graph.weights
                           if w.value.name in bound}  # a weight only read packed is not uploaded as it is
-        self._resident.update({name: self._packed(tuple(by_name[w] for w in ws), weights, resident, layout)
+        self._resident.update({name: self._packed(name, tuple(by_name[w] for w in ws), weights, resident, layout)
                                for name, (ws, layout) in plan.packs.items()})
+        self._symbols = graph.symbols  # walks every value: once, not per call
+        self._resident_bytes = {name: resident.nbytes[key] for name, key in self._resident_keys.items()}
+        self._resident_bytes.update(self._constant_bytes())
+        self._check_plan({s: 1 for s in self._symbols})
         self._run_constant_steps(resident)
         self._keeps_states = callable(getattr(device, "copy", None))
         self._row_states = {v for _, v in graph.meta_dict.get("row_states", ())}
-        self._symbols = graph.symbols  # walks every value: once, not per call
 
     # -- load time ----------------------------------------------------------------------
     def _constant_keys(self, weights: WeightLoader) -> dict[str, tuple]:
@@ -96,18 +102,18 @@ class DeviceProgram:
 
     def _weight(self, w, weights: WeightLoader, resident: Resident):
         """The device buffer of weight `w`, as the GGUF stores it."""
-        key = self._keys[w.value.name]
+        key = self._resident_keys[w.value.name] = self._keys[w.value.name]
         if key not in resident.buffers:
-            resident.buffers[key] = self._upload(self._storage(w, weights))
+            self._upload(resident, key, self._storage(w, weights))
         return resident.buffers[key]
 
-    def _packed(self, ws: tuple, weights: WeightLoader, resident: Resident, layout: str):
-        """The device buffer of weights `ws` in `layout`, one after another (each packed on
-        its own: a layout may pad a weight's rows)."""
-        key = (tuple(self._keys[w.value.name] for w in ws), layout)
+    def _packed(self, name: str, ws: tuple, weights: WeightLoader, resident: Resident, layout: str):
+        """The device buffer `name` of weights `ws` in `layout`, one after another (each
+        packed on its own: a layout may pad a weight's rows)."""
+        key = self._resident_keys[name] = (tuple(self._keys[w.value.name] for w in ws), layout)
         if key not in resident.buffers:
             packs = [LAYOUTS[layout](self._storage(w, weights)) for w in ws]
-            resident.buffers[key] = self._upload(np.concatenate(packs) if len(packs) > 1 else packs[0])
+            self._upload(resident, key, np.concatenate(packs) if len(packs) > 1 else packs[0])
         return resident.buffers[key]
 
     def _storage(self, w, weights: WeightLoader) -> np.ndarray:
@@ -115,10 +121,19 @@ class DeviceProgram:
         check_weight(self.graph, w, arr)
         return arr
 
-    def _upload(self, arr: np.ndarray):
-        buf = self.device.alloc(arr.nbytes)
-        self.device.upload(buf, arr)
-        return buf
+    def _upload(self, resident: Resident, key: tuple, arr: np.ndarray) -> None:
+        resident.buffers[key] = self.device.alloc(arr.nbytes)
+        resident.nbytes[key] = arr.nbytes
+        self.device.upload(resident.buffers[key], arr)
+
+    def _constant_bytes(self) -> dict[str, int]:
+        """Bytes of the buffers that weight-only steps fill at load (sized by their values)."""
+        return {v.name: _nbytes(v, {}) for step in self.plan.steps if step.constant
+                for v in self.graph.nodes[step.node].outputs if self._root(v.name) == v.name}
+
+    def _check_plan(self, bindings: Mapping[str, int]) -> None:
+        """Every launch against its kernel's contract and its buffers' sizes (launch_check.py)."""
+        check_plan(self.plan, {symbol_param(s) for s in self._symbols}, self._resident_bytes, bindings)
 
     def _run_constant_steps(self, resident: Resident) -> None:
         for step in self.plan.steps:
@@ -238,8 +253,9 @@ class DeviceProgram:
                 self.device.upload(dst, arr)
         return bindings, env, sized
 
-    def _launch_all(self, sized: "_Sized", env: dict[str, int]) -> None:
+    def _launch_all(self, sized: "_Sized", env: dict[str, int], bindings: Mapping[str, int]) -> None:
         if sized.replay is None:
+            self._check_plan(bindings)
             launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)
             prepare = getattr(self.device, "prepare", None)
             sized.replay = prepare(launches) if callable(prepare) else functools.partial(_launch_each, self.device,
@@ -250,7 +266,7 @@ class DeviceProgram:
             keep: Collection[str] = ()) -> RunResult:
         """Outputs named in `keep` come back as DeviceArrays where the device can hold them."""
         bindings, env, sized = self._prepare(inputs, states)
-        self._launch_all(sized, env)
+        self._launch_all(sized, env, bindings)
         buffers = sized.buffers
 
         def read(name: str, keep: bool = False):
@@ -271,11 +287,11 @@ class DeviceProgram:
                  states: Mapping[str, np.ndarray] | None = None) -> Callable[[], None]:
         """A function that runs the kernels alone (inputs uploaded once, now) and waits for
         the device: what a benchmark compares with the bytes the kernels move."""
-        _, env, sized = self._prepare(inputs, states)
+        bindings, env, sized = self._prepare(inputs, states)
         first = sized.buffers[self._root(self.graph.outputs[0][1])]
 
         def launch() -> None:
-            self._launch_all(sized, env)
+            self._launch_all(sized, env, bindings)
             self.device.download(first, np.empty(1, np.uint8))  # in-order queue: waits for all
         return launch
 

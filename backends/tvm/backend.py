@@ -17,7 +17,7 @@ from dflash_ir.ir import Graph
 from dflash_ir.program import WeightLoader
 
 from ..base import Backend, BackendUnavailable, register_backend
-from ..plan import Launch, Plan, Step
+from ..plan import Launch, Plan, Step, contracts_of
 from ..runner import DeviceProgram, Resident
 from . import version
 from .build import TARGETS, DeviceKernel, build_gpu, build_llvm, digest
@@ -33,7 +33,8 @@ def gpu_plan(plan: Plan, launches: Mapping[str, list[DeviceKernel]]) -> Plan:
     steps = [Step(s.node, tuple(l for launch in s.launches for l in expand(launch)), s.constant, s.temps)
              for s in plan.steps]
     return Plan(plan.graph, {}, steps, dict(plan.aliases), dict(plan.temps), list(plan.checks),
-                slots=list(plan.slots), buffers=dict(plan.buffers))
+                slots=list(plan.slots), buffers=dict(plan.buffers),
+                contracts=contracts_of(steps, plan.extents.__getitem__), extents=dict(plan.extents))
 
 
 class TVMBackend(Backend):

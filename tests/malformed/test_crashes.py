@@ -4,7 +4,7 @@ is now refused before anything runs."""
 import pytest
 
 from tamper import manifest_of, names, rewrite
-from dflash_ir.artifact import load_compiled
+from dflash_ir.artifact import compile_pair, load_compiled
 from dflash_ir.errors import ArtifactError
 from dflash_ir.integrity import MANIFEST, sha256_file
 from dflash_ir.serialize import load_yaml
@@ -77,3 +77,27 @@ def test_dflash_compile_prints_the_digest_dflash_run_pins(pair, tmp_path, capsys
     assert run_cli.main([*common, "--artifact-digest", digest]) == 0
     assert run_cli.main([*common, "--artifact-digest", "0" * 64]) == 1
     assert f"the artifact's digest is {digest}, not the pinned {'0' * 64}" in capsys.readouterr().err
+
+
+def test_a_launch_grid_edited_with_every_hash_recomputed_is_refused_by_the_plan_check(pair, tmp_path):
+    """The crash once found: a grid edited in the manifest sent a kernel past its buffer
+    (host memory under PoCL). With the hashes and digest recomputed and the digest not
+    pinned, the launch plan check refuses it at load, naming the program (by its graph's
+    name, as the runner's other errors do), node and kernel."""
+    from dflash_ir.backends.base import get_backend
+    from dflash_ir.backends.launch_check import PlanError
+
+    reason = get_backend("opencl").unavailable_reason()
+    if reason:
+        pytest.skip(f"opencl: {reason}")
+    out = compile_pair(*pair, out=tmp_path / "art", n_ctx=64, backend="opencl")
+    steps = manifest_of(out)["programs"]["target.decode"]["backend"]["plan"]["steps"]
+    node, launch = steps[0]["node"], steps[0]["launches"][0]
+
+    def widen(m):
+        edited = m["programs"]["target.decode"]["backend"]["plan"]["steps"][0]["launches"][0]
+        edited["groups"] = [f"({edited['groups'][0]}) * 4096", *edited["groups"][1:]]
+    rewrite(out, widen)
+    with pytest.raises(PlanError, match=rf"^qwen35\.decode: node {node}: kernel {launch['kernel']}: grid .* \* 4096', "
+                                        r".* is not one the kernel was built for"):
+        load_compiled(out, load_tokenizer=False, measure_costs=False)

@@ -65,7 +65,8 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
     from dflash_ir.models.tensors import validate_tensors
     from dflash_ir.models.dflash import DFlashBuilder
     from dflash_ir.models.gguf_file import open_gguf
-    from dflash_ir.models.qwen35 import GraphSpec, Qwen35Builder
+    from dflash_ir.models.targets import target_builder
+    from dflash_ir.models.transformer import GraphSpec
     from dflash_ir.passes.pipeline import run_pipeline
 
     progress(f"reading {target}")
@@ -83,7 +84,7 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
         db = DFlashBuilder(dft, dcfg, tgt, tcfg)
         pair.graphs["draft.inject"] = db.inject()
         pair.graphs["draft.block"] = db.block()
-    tb = Qwen35Builder(tgt, tcfg)
+    tb = target_builder(tgt, tcfg)
     for kind in TARGET_PROGRAMS:
         pair.graphs[f"target.{kind}"] = tb.build(GraphSpec(kind, pair.taps, 1 if kind == "decode" else "T"))
     pair.graphs = {name: run_pipeline(g, level=opt_level, dump_dir=dump_dir, numerics=numerics)

@@ -37,7 +37,8 @@ def check_layer_count(tensor_names: Iterable[str], r: MetadataReader, key: str, 
 def check_target(cfg: TargetConfig, source: str) -> None:
     """Raise ModelConfigError naming the key of the first inconsistent hyper-parameter."""
     positive = ["hidden", "n_head", "n_head_kv", "head_dim", "n_rot", "rope_theta", "rms_eps", "context_length"]
-    positive += ["ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "ssm_inner"]
+    if cfg.is_hybrid:
+        positive += ["ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "ssm_inner"]
     _check_positive(cfg, source, positive + (list(MOE_FIELDS) if cfg.is_moe else ["ff"]))
     if cfg.vocab_size <= 0:
         raise ModelConfigError(f"{source}: token_embd.weight has no rows")
@@ -47,6 +48,11 @@ def check_target(cfg: TargetConfig, source: str) -> None:
         )
     _check_heads_and_rope(cfg, source)
     _check_at_most(cfg, source, "context_length", MAX_POSITIONS, "positions are 32-bit")
+    if not cfg.is_hybrid:
+        if cfg.permuted_qk and cfg.n_rot != cfg.head_dim:
+            raise _field_error(cfg, source, "n_rot", f"= {cfg.n_rot} must equal the head size {cfg.head_dim}: "
+                                                     "llama's q/k row permutation spans whole heads")
+        return
     if cfg.ssm_dt_rank % cfg.ssm_n_group:
         raise _field_error(cfg, source, "ssm_dt_rank", f"= {cfg.ssm_dt_rank} value heads is not a multiple of "
                                                        f"ssm.group_count = {cfg.ssm_n_group} key heads")

@@ -18,8 +18,10 @@ from .gguf_file import GGUFFile
 from .metadata import (
     DRAFT_ARCH,
     DRAFT_KEYS,
+    HYBRID_ARCHS,
     MOE_FIELDS,
     TARGET_KEYS,
+    REQUIRED,
     MetadataReader,
     ModelConfigError,
     check_arch,
@@ -27,6 +29,8 @@ from .metadata import (
 )
 
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default when the key is absent
+DEFAULT_ROPE_THETA = 10000.0
+ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1 rope scaling as llama.cpp's converter writes it  # llama.cpp's rope.freq_base when the key is absent
 
 
 def interval_pattern(n_layer: int, interval: int) -> tuple[bool, ...]:
@@ -36,7 +40,8 @@ def interval_pattern(n_layer: int, interval: int) -> tuple[bool, ...]:
 
 @dataclass(frozen=True)
 class TargetConfig:
-    """Hyper-parameters of a `qwen35` (dense) or `qwen35moe` target.
+    """Hyper-parameters of a target: `qwen35` (dense) or `qwen35moe` (hybrid Gated DeltaNet
+    + attention), `llama` or `qwen3` (attention in every layer, ssm sizes 0).
 
     `n_layer` counts main layers only (block_count - nextn_predict_layers): MTP blocks
     `blk.{n_layer}..` are never run. Gated DeltaNet sizes use llama.cpp's names:
@@ -54,13 +59,13 @@ class TargetConfig:
     head_dim: int
     rope_theta: float
     n_rot: int
-    rope_sections: tuple[int, ...]
     rms_eps: float
-    ssm_conv_kernel: int
-    ssm_d_state: int
-    ssm_n_group: int
-    ssm_dt_rank: int
-    ssm_inner: int
+    rope_sections: tuple[int, ...] = ()
+    ssm_conv_kernel: int = 0
+    ssm_d_state: int = 0
+    ssm_n_group: int = 0
+    ssm_dt_rank: int = 0
+    ssm_inner: int = 0
     ff: int = 0
     n_expert: int = 0
     n_expert_used: int = 0
@@ -74,6 +79,32 @@ class TargetConfig:
     @property
     def is_moe(self) -> bool:
         return self.arch == "qwen35moe"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Gated DeltaNet layers between the attention layers (the qwen35 family)."""
+        return self.arch in HYBRID_ARCHS
+
+    @property
+    def gated_attention(self) -> bool:
+        """The query projection holds [q_h | gate_h] per head; o is gated by sigmoid(gate)."""
+        return self.is_hybrid
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE (attn_q_norm / attn_k_norm)."""
+        return self.arch != "llama"
+
+    @property
+    def permuted_qk(self) -> bool:
+        """llama.cpp's converter permutes llama's q/k rows so that its adjacent-pair RoPE
+        matches HF's rotate-half: the graph undoes it per head before a NeoX rotation."""
+        return self.arch == "llama"
+
+    @property
+    def ffn_norm(self) -> str:
+        """Name of the norm before the FFN (Qwen3.5 calls it post_attention_norm)."""
+        return "post_attention_norm" if self.is_hybrid else "ffn_norm"
 
     @property
     def block_count(self) -> int:
@@ -123,6 +154,8 @@ class TargetConfig:
         embd = f.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelConfigError(f"{source}: tensor token_embd.weight is missing (it gives the vocabulary size)")
+        if ROPE_FACTORS in f.tensors:
+            raise ModelConfigError(f"{source}: tensor {ROPE_FACTORS} (Llama 3 RoPE frequency scaling) is not supported")
         cfg = cls.from_metadata(f.metadata, vocab_size=embd.shape[0], tied_output="output.weight" not in f.tensors,
                                 source=source, tensor_names=f.tensors)
         tokens = f.metadata.get("tokenizer.ggml.tokens")
@@ -149,34 +182,31 @@ class TargetConfig:
         n_layer = block_count - n_nextn
         if tensor_names is not None:
             check_layer_count(tensor_names, r, "block_count", n_layer)
-        head_dim = r.int(TARGET_KEYS["head_dim"])
+        hybrid = arch in HYBRID_ARCHS
+        ints = ["hidden", "n_head", "n_head_kv", "context_length"]
+        if hybrid:
+            ints += ["ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "ssm_inner"]
+        ints += list(MOE_FIELDS) if arch == "qwen35moe" else ["ff"]
+        sizes = {f: r.int(TARGET_KEYS[f]) for f in ints}
+        # llama.cpp's defaults where a dense file leaves the key out: n_embd / n_head, 10000
+        head_dim = r.int(TARGET_KEYS["head_dim"], REQUIRED if hybrid else _head_dim(r, sizes))
         if r.int("attention.value_length", head_dim) != head_dim:
             raise r.error("attention.value_length", f"must equal attention.key_length = {head_dim}")
-        ints = [
-            "hidden",
-            "n_head",
-            "n_head_kv",
-            "context_length",
-            "ssm_conv_kernel",
-            "ssm_d_state",
-            "ssm_n_group",
-            "ssm_dt_rank",
-            "ssm_inner",
-        ]
-        ints += list(MOE_FIELDS) if arch == "qwen35moe" else ["ff"]
+        if not hybrid:
+            _check_no_rope_scaling(r)
         cfg = cls(
             arch=arch,
             vocab_size=int(vocab_size),
             n_layer=n_layer,
-            layer_is_recurrent=_read_layer_pattern(r, n_layer, block_count),
+            layer_is_recurrent=_read_layer_pattern(r, n_layer, block_count) if hybrid else (False,) * n_layer,
             head_dim=head_dim,
-            rope_theta=r.float(TARGET_KEYS["rope_theta"]),
+            rope_theta=r.float(TARGET_KEYS["rope_theta"], REQUIRED if hybrid else DEFAULT_ROPE_THETA),
             n_rot=r.int(TARGET_KEYS["n_rot"], head_dim),
             rope_sections=r.ints(TARGET_KEYS["rope_sections"], ()),
             rms_eps=r.float(TARGET_KEYS["rms_eps"]),
             tied_output=bool(tied_output),
             n_nextn=n_nextn,
-            **{f: r.int(TARGET_KEYS[f]) for f in ints},
+            **sizes,
         )
         check_target(cfg, source)
         return cfg
@@ -286,6 +316,21 @@ class DraftConfig:
         )
         check_draft(cfg, source)
         return cfg
+
+
+def _head_dim(r: MetadataReader, sizes: Mapping[str, int]) -> int:
+    """llama.cpp's default head size, n_embd / n_head, when attention.key_length is absent."""
+    if sizes["n_head"] <= 0 or sizes["hidden"] % sizes["n_head"]:
+        raise r.error(TARGET_KEYS["head_dim"], f"is missing and {r.arch}.{TARGET_KEYS['hidden']} = {sizes['hidden']} "
+                                               f"is not a multiple of {r.arch}.{TARGET_KEYS['n_head']} = {sizes['n_head']}")
+    return sizes["hidden"] // sizes["n_head"]
+
+
+def _check_no_rope_scaling(r: MetadataReader) -> None:
+    """RoPE scaling (linear, YaRN, Llama 3's frequency factors) changes the angles: refused, not ignored."""
+    kind = r.meta.get(f"{r.arch}.rope.scaling.type", "none")
+    if kind != "none":
+        raise r.error("rope.scaling.type", f"= {kind!r}: RoPE scaling is not supported (only 'none')")
 
 
 def _read_layer_pattern(r: MetadataReader, n_layer: int, block_count: int) -> tuple[bool, ...]:

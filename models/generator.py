@@ -43,7 +43,7 @@ from dflash_ir.dtypes import GGML_TYPE_IDS, DType
 from .checks import check_draft, check_target
 from .config import DEFAULT_FULL_ATTENTION_INTERVAL, DraftConfig, TargetConfig, interval_pattern
 from .gguf_file import squeeze_shape
-from .metadata import DRAFT_ARCH, MASK_TOKEN_KEYS
+from .metadata import DENSE_ARCHS, DRAFT_ARCH, MASK_TOKEN_KEYS
 from .tensors import converter_keeps_f32, expected_tensors, mtp_tensors
 from .tokenizer import BYTE_TO_UNICODE, TokenType
 
@@ -135,10 +135,11 @@ def tiny_vocab(vocab_size: int) -> dict[str, Any]:
 
 
 def tiny_target_config(arch: str = "qwen35", **overrides: Any) -> TargetConfig:
-    """A small valid target (hidden 64, 4 layers LLLA, vocab 320); any field can be overridden.
+    """A small valid target (hidden 64, 4 layers: LLLA for the hybrid archs, all attention for
+    `llama` / `qwen3`, vocab 320); any field can be overridden.
 
-    Unless given, `layer_is_recurrent` follows n_layer with interval 4 and `ssm_inner` is
-    ssm_dt_rank * ssm_d_state.
+    Unless given, a hybrid target's `layer_is_recurrent` follows n_layer with interval 4 and
+    `ssm_inner` is ssm_dt_rank * ssm_d_state; a dense one rotates whole heads with plain RoPE.
     """
     fields: dict[str, Any] = {
         "arch": arch,
@@ -163,8 +164,12 @@ def tiny_target_config(arch: str = "qwen35", **overrides: Any) -> TargetConfig:
     fields |= (
         {"n_expert": 4, "n_expert_used": 2, "expert_ff": 32, "shared_ff": 64} if arch == "qwen35moe" else {"ff": 128}
     )
+    if arch in DENSE_ARCHS:
+        fields |= {"n_rot": fields["head_dim"], "rope_sections": (), "ssm_conv_kernel": 0, "ssm_d_state": 0,
+                   "ssm_n_group": 0, "ssm_dt_rank": 0}
     fields |= overrides
-    fields.setdefault("layer_is_recurrent", interval_pattern(fields["n_layer"], DEFAULT_FULL_ATTENTION_INTERVAL))
+    pattern = interval_pattern(fields["n_layer"], DEFAULT_FULL_ATTENTION_INTERVAL if arch not in DENSE_ARCHS else 1)
+    fields.setdefault("layer_is_recurrent", pattern)
     fields.setdefault("ssm_inner", fields["ssm_dt_rank"] * fields["ssm_d_state"])
     cfg = TargetConfig(**fields)
     check_target(cfg, "tiny_target_config")
@@ -253,8 +258,7 @@ def target_plan(
         f"{cfg.arch}.attention.value_length": cfg.head_dim,
         "general.file_type": file_type,
         **put(*(("expert_ff", "shared_ff") if moe else ()), *(("n_nextn",) if cfg.n_nextn else ())),
-        **put("ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "ssm_inner"),
-        **_layer_pattern_metadata(cfg),
+        **(_hybrid_metadata(cfg) if cfg.is_hybrid else {}),
         **put("n_rot"),
     }
     return _plan(cfg.arch, name, meta, tensors, dtype, seed, tokenizer or tiny_vocab(cfg.vocab_size))
@@ -372,6 +376,12 @@ def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nda
     if name.endswith((".ssm_dt.bias", ".ssm_conv1d.weight")) or name == "token_embd.weight":
         return np.float32(0.5) * normal
     return normal / np.float32(math.sqrt(shape[-1]))
+
+
+def _hybrid_metadata(cfg: TargetConfig) -> dict[str, Any]:
+    """The Gated DeltaNet sizes and the layer pattern (hybrid targets only)."""
+    ssm = _fields_metadata(cfg, "ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "ssm_inner")
+    return ssm | _layer_pattern_metadata(cfg)
 
 
 def _layer_pattern_metadata(cfg: TargetConfig) -> dict[str, Any]:

@@ -15,7 +15,9 @@ import numpy as np
 
 from .gguf_file import GGUFError
 
-TARGET_ARCHS = ("qwen35", "qwen35moe")
+HYBRID_ARCHS = ("qwen35", "qwen35moe")  # Gated DeltaNet + attention layers
+DENSE_ARCHS = ("llama", "qwen3")        # attention in every layer
+TARGET_ARCHS = HYBRID_ARCHS + DENSE_ARCHS
 DRAFT_ARCH = "dflash"
 
 # Metadata key (without the "{arch}." prefix) of each config field.
@@ -61,7 +63,7 @@ DRAFT_KEYS = {
 MASK_TOKEN_KEYS = ("tokenizer.ggml.mask_token_id", "dflash.mask_token_id")  # standard key first
 MOE_FIELDS = ("n_expert", "n_expert_used", "expert_ff", "shared_ff")
 
-_REQUIRED = object()
+REQUIRED = object()
 
 
 class ModelConfigError(GGUFError):
@@ -92,17 +94,17 @@ class MetadataReader:
         full = f"{self.arch}.{key}"
         if full in self.meta:
             return self.meta[full]
-        if default is _REQUIRED:
+        if default is REQUIRED:
             raise ModelConfigError(f"{self.source}: metadata key {full} is missing")
         return default
 
-    def int(self, key: str, default: Any = _REQUIRED) -> int:
+    def int(self, key: str, default: Any = REQUIRED) -> int:
         v = self._get(key, default)
         if not is_int(v):
             raise self.error(key, f"= {v!r} is not an integer")
         return int(v)
 
-    def float(self, key: str, default: Any = _REQUIRED) -> float:
+    def float(self, key: str, default: Any = REQUIRED) -> float:
         v = self._get(key, default)
         if not (is_int(v) or isinstance(v, (float, np.floating))):
             raise self.error(key, f"= {v!r} is not a number")
@@ -110,13 +112,13 @@ class MetadataReader:
             raise self.error(key, f"= {v!r} is not a finite number")
         return float(v)
 
-    def ints(self, key: str, default: Any = _REQUIRED) -> tuple[int, ...]:
+    def ints(self, key: str, default: Any = REQUIRED) -> tuple[int, ...]:
         v = self._get(key, default)
         if not is_array(v) or not all(is_int(x) for x in v):
             raise self.error(key, f"= {_short(v)} is not an integer array")
         return tuple(int(x) for x in v)
 
-    def bools(self, key: str, default: Any = _REQUIRED) -> tuple[bool, ...]:
+    def bools(self, key: str, default: Any = REQUIRED) -> tuple[bool, ...]:
         v = self._get(key, default)
         if not is_array(v) or not all(isinstance(x, (bool, np.bool_)) for x in v):
             raise self.error(key, f"= {_short(v)} is not a bool array")

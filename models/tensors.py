@@ -67,6 +67,10 @@ def mtp_tensors(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _target_block(cfg: TargetConfig, i: int, recurrent: bool) -> dict[str, tuple[int, ...]]:
+    if not cfg.is_hybrid:
+        block = ({"attn_norm.weight": (cfg.hidden,)} | _swiglu(cfg.hidden, cfg.ff) | {"ffn_norm.weight": (cfg.hidden,)}
+                 | _attention(cfg.hidden, cfg.head_dim, cfg.q_dim, cfg.kv_dim, cfg.q_dim, norms=cfg.qk_norm))
+        return {f"blk.{i}.{n}": s for n, s in block.items()}
     h, hv, vd = cfg.hidden, cfg.ssm_dt_rank, cfg.ssm_inner
     if cfg.is_moe:
         e, ef, sf = cfg.n_expert, cfg.expert_ff, cfg.shared_ff
@@ -120,8 +124,8 @@ def _swiglu(h: int, ff: int) -> dict[str, tuple[int, ...]]:
     return {"ffn_down.weight": (h, ff), "ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h)}
 
 
-def _attention(h: int, hd: int, q_rows: int, kv: int, o_cols: int) -> dict[str, tuple[int, ...]]:
-    return {
+def _attention(h: int, hd: int, q_rows: int, kv: int, o_cols: int, *, norms: bool = True) -> dict[str, tuple[int, ...]]:
+    t = {
         "attn_k_norm.weight": (hd,),
         "attn_k.weight": (kv, h),
         "attn_output.weight": (h, o_cols),
@@ -129,6 +133,7 @@ def _attention(h: int, hd: int, q_rows: int, kv: int, o_cols: int) -> dict[str, 
         "attn_q.weight": (q_rows, h),
         "attn_v.weight": (kv, h),
     }
+    return t if norms else {n: s for n, s in t.items() if not n.endswith("_norm.weight")}
 
 
 def validate_tensors(f: GGUFFile, cfg: TargetConfig | DraftConfig) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from dflash_ir.models.checks import check_draft
 from dflash_ir.models.config import DraftConfig, TargetConfig, interval_pattern
 from dflash_ir.models.generator import GGUFPlan, draft_plan, target_plan, write_gguf
+from dflash_ir.models.hf_export import HF_LAYER_NAMES
 
 Arrays = Mapping[str, np.ndarray]
 
@@ -102,21 +103,6 @@ def draft_config(hf: Mapping[str, Any], *, mask_token_id: int | None = None) -> 
     return cfg
 
 
-_DRAFT_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-}
-
-
 def draft_tensors(state: Arrays) -> dict[str, np.ndarray]:
     """GGUF tensors from z-lab-named draft weights (no embedding / lm_head: borrowed from the target)."""
     t = {"fc.weight": state["fc.weight"], "enc.output_norm.weight": state["hidden_norm.weight"],
@@ -124,7 +110,7 @@ def draft_tensors(state: Arrays) -> dict[str, np.ndarray]:
     for name, x in state.items():
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
-            t[f"blk.{i}.{_DRAFT_NAMES[rest]}"] = x
+            t[f"blk.{i}.{HF_LAYER_NAMES[rest]}"] = x
     return t
 
 

@@ -225,8 +225,8 @@ def del_key(key):
 
 BAD_TARGET_METADATA = [
     (
-        set_key("general.architecture", "llama"),
-        r"general.architecture 'llama' is not supported as a target \(supported: qwen35, qwen35moe\)",
+        set_key("general.architecture", "gemma3"),
+        r"general.architecture 'gemma3' is not supported as a target \(supported: qwen35, qwen35moe, llama, qwen3\)",
     ),
     (del_key("qwen35.ssm.state_size"), "metadata key qwen35.ssm.state_size is missing"),
     (del_key("qwen35.feed_forward_length"), "metadata key qwen35.feed_forward_length is missing"),

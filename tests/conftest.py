@@ -98,6 +98,9 @@ class ScriptedLengths:
     def observe(self, proposed, accepted):
         pass
 
+    def observe_seconds(self, proposals, seconds):
+        pass
+
 
 @pytest.fixture
 def scripted_lengths():

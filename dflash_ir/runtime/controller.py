@@ -22,6 +22,15 @@ spends the cost of a draft block; the first decode step of a controller's life h
 so a draft that agrees is found within a block of tokens, and shadow drafts cost at most
 EXPLORE of the time spent decoding after that. When even a draft that is always right could
 not beat decoding (`can_pay` is false), the engine never drafts.
+
+The costs measured at load are a starting point, not the truth: other work on the machine
+(or a cache measured under it) can leave them off by a factor, and off in ratio. The engine
+reports what each decode step and round really took; a round length's estimate becomes the
+running mean of its own observations, and lengths not observed yet follow the measured
+table scaled by how far the observed rounds stand from it. Speculating, the engine would
+never time a decode step again, so every REFRESH rounds without one a round decodes instead
+(the first step too): a table whose decode step is too dear cannot keep it speculating at
+a loss.
 """
 from __future__ import annotations
 
@@ -33,16 +42,38 @@ PRIOR_ACCEPT = 0.75  # before any round: 15 proposals give tau ~ 4, the low end 
 PRIOR_ROUNDS = 2.0   # weight of the prior, in observed rounds
 DECAY = 0.95         # per round: the estimates remember the last ~20 rounds
 EXPLORE = 0.03       # share of decoding time that shadow drafts may spend
+TRACK = 0.5          # weight of the newest observed time in the running estimates (load comes and goes)
+REFRESH = 8          # speculative rounds after which a decode step is timed again
 
 
 class LengthController:
-    def __init__(self, costs: SpecCosts):
+    def __init__(self, costs: SpecCosts, track: bool = True):
         self.costs = costs
+        self.track = track  # whether observed times correct the costs (off: the policy under `costs` alone)
         self.trials = np.zeros(costs.max_proposals)
         self.hits = np.zeros(costs.max_proposals)
         self.credit = costs.draft  # seconds of shadow drafting earned: the first decode step has one
-        # seconds of a round verifying k proposals, k = 0 (a decode step) .. B-1
-        self.seconds = np.array([costs.decode, *(costs.draft + v for v in costs.verify[1:])])
+        # measured seconds of a round verifying k proposals, k = 0 (a decode step) .. B-1
+        self.table = np.array([costs.decode, *(costs.draft + v for v in costs.verify[1:])])
+        self.observed = np.full_like(self.table, np.nan)  # running means of observed rounds
+        self.log_scale = 0.0  # running mean of log(observed / table) over the observed rounds
+        self.since_decode = REFRESH  # speculative rounds since a decode step was timed
+
+    @property
+    def seconds(self) -> np.ndarray:
+        """Estimated seconds of a round verifying k = 0..B-1 proposals."""
+        return np.where(np.isnan(self.observed), self.table * np.exp(self.log_scale), self.observed)
+
+    def observe_seconds(self, proposals: int, seconds: float) -> None:
+        """Record what a round verifying `proposals` proposals (0: a decode step) took."""
+        if not (self.track and seconds > 0.0):
+            return
+        if proposals:
+            self.log_scale += TRACK * (np.log(seconds / self.table[proposals]) - self.log_scale)
+        else:
+            self.since_decode = 0
+        before = self.observed[proposals]
+        self.observed[proposals] = seconds if np.isnan(before) else before + TRACK * (seconds - before)
 
     def acceptance(self) -> np.ndarray:
         """p_i for i = 1..B-1 (index i-1)."""
@@ -65,7 +96,11 @@ class LengthController:
 
     def choose(self, n_max: int) -> int:
         """Proposals to verify this round (0: decode), at most n_max."""
-        return self.best(n_max, self.acceptance())
+        k = self.best(n_max, self.acceptance())
+        if k and self.track and self.since_decode >= REFRESH:
+            return 0
+        self.since_decode += k > 0
+        return k
 
     def decoding(self, idle: bool) -> bool:
         """Book a decode step; whether it also drafts in the shadow: when no shadow draft is

@@ -24,6 +24,7 @@ learns the draft's acceptance without paying for a verify.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -163,7 +164,7 @@ class Engine:
             if room < 1:
                 stats.stop_reason = f"context full ({self.n_ctx} tokens)"
                 return
-            k = 0
+            k, began, shadowed = 0, time.perf_counter(), False
             if drafting:
                 k = self.controller.choose(min(n_max, room - 1)) if adaptive else min(n_max, room - 1)
             if k:
@@ -185,6 +186,7 @@ class Engine:
                 shadow = None
             else:
                 if drafting and adaptive and room > 1 and self.controller.decoding(idle=shadow is None):
+                    shadowed = True
                     with stats.timed("draft"):
                         feed.flush()
                         shadow = _Shadow(self.draft.propose(token)[:min(n_max, room - 1)])
@@ -199,6 +201,8 @@ class Engine:
                 if verdict is not None:
                     self.controller.observe(*verdict)
                     shadow = None
+            if adaptive and not shadowed:  # what the step took (a shadow draft is not a decode step's cost)
+                self.controller.observe_seconds(k, time.perf_counter() - began)
             if speculative:
                 stats.record_length(k)
             token = new[-1]

@@ -4,7 +4,7 @@ it chooses, on drafts that agree on 0, 5 or 15 proposals per round."""
 import pytest
 
 from dflash_ir.artifact import open_engine
-from dflash_ir.runtime.controller import EXPLORE, LengthController
+from dflash_ir.runtime.controller import EXPLORE, REFRESH, TRACK, LengthController
 from dflash_ir.runtime.costs import SpecCosts
 
 MS = 1e-3
@@ -29,7 +29,7 @@ def test_decodes_when_verify_is_costly_and_acceptance_low():
 def test_uses_the_longest_block_when_acceptance_is_high_and_verify_cheap():
     # a verify costs one decode step whatever its rows, the draft a tenth: tokens(k) grows with k
     # at a constant cost, so the longest block wins, from the prior on and after full acceptance
-    c = LengthController(_costs(lambda r: 1, decode=1, draft=0.1))
+    c = LengthController(_costs(lambda r: 1, decode=1, draft=0.1), track=False)
     assert c.choose(15) == 15
     for _ in range(5):
         c.observe(15, 15)
@@ -47,7 +47,7 @@ def test_choice_follows_the_documented_rate():
       rate(3) = (1 + 5/6 + 25/54 + 125/486) / 3.5   = 0.730
       rate(4) = (... + 625/4374) / 4                = 0.674, and falling  -> 2
     With a 1 ms decode step, rate(0) = 1 beats every length -> 0."""
-    c = LengthController(_costs(lambda r: 0.5 + 0.5 * r, decode=2, draft=1))
+    c = LengthController(_costs(lambda r: 0.5 + 0.5 * r, decode=2, draft=1), track=False)
     c.observe(2, 1)
     assert c.acceptance()[:4] == pytest.approx([5 / 6, 5 / 9, 5 / 9, 5 / 9])
     assert [round(r * MS, 3) for r in c.rates(c.acceptance())[:5]] == [0.5, 0.733, 0.765, 0.73, 0.674]
@@ -103,6 +103,7 @@ def test_a_draft_that_agrees_is_found_by_drafting_in_the_shadow(agreeing_pair):
     engine = open_engine(*agreeing_pair("qwen35", 15), n_ctx=128)
     plain = engine.generate(prompt_ids=PROMPT, max_tokens=60, speculative=False, ignore_eos=True).tokens
     engine.costs = _costs(lambda r: 1 + r / 4, decode=1, draft=1)
+    engine.controller.track = False  # the policy under these costs, not this machine's times
     gen = engine.generate(prompt_ids=PROMPT, max_tokens=60, ignore_eos=True)
     assert gen.tokens == plain
     assert gen.stats.lengths[:15] == [0] * 15 and set(gen.stats.lengths[15:]) == {15}
@@ -122,6 +123,7 @@ def test_cost_aware_greedy_equals_target_only(agreeing_pair, arch, agree, settle
     engine = open_engine(*agreeing_pair(arch, agree), n_ctx=128)
     plain = engine.generate(prompt_ids=PROMPT, max_tokens=60, speculative=False, ignore_eos=True).tokens
     engine.costs = CHEAP_VERIFY
+    engine.controller.track = False
     gen = engine.generate(prompt_ids=PROMPT, max_tokens=60, ignore_eos=True)
     assert gen.tokens == plain
     assert set(gen.stats.lengths[-4:]) <= settles_in, gen.stats.lengths
@@ -134,3 +136,42 @@ def test_when_speculation_cannot_pay_the_draft_is_left_alone(agreeing_pair):
     gen = engine.generate(prompt_ids=PROMPT, max_tokens=20, ignore_eos=True)
     assert gen.stats.lengths == [0] * 19 and gen.stats.rounds == 0
     assert engine.draft.ctx_len == 0  # no context kept for a draft that will not run
+
+
+def test_observed_round_times_correct_a_cost_table_measured_under_load():
+    """A table measured while the machine was busy: decode 166 ms, a verify of r rows 100 + 5.4 r
+    (barely more than a decode step), draft 35. The first step decodes, to time one, and the
+    machine is still busy: 166 ms. So the controller speculates; then the load goes: a round
+    takes 150 ms, a decode step would take 35, and the draft is never right. Within REFRESH
+    rounds it times a decode step again, sees 35 ms, and decodes from then on."""
+    c = LengthController(_costs(lambda r: 100 + 5.4 * r, decode=166, draft=35))
+    choices = []
+    for step in range(3 * REFRESH):
+        k = c.choose(15)
+        choices.append(k)
+        c.observe_seconds(k, 150 * MS if k else (166 if step == 0 else 35) * MS)
+        if k:
+            c.observe(k, 0)
+    assert choices[0] == 0 and choices[1] > 0
+    assert choices.index(0, 1) <= 1 + REFRESH
+    assert set(choices[choices.index(0, 1):]) == {0}
+
+
+def test_without_tracking_the_table_alone_decides():
+    c = LengthController(_costs(lambda r: 100 + 5.4 * r, decode=166, draft=35), track=False)
+    for _ in range(3):
+        c.observe_seconds(0, 35 * MS)
+    assert c.choose(15) > 0 and c.seconds[0] == pytest.approx(166 * MS)
+
+
+def test_unobserved_lengths_follow_the_shared_factor_and_observed_ones_their_own_mean():
+    c = LengthController(_costs(lambda r: 10, decode=10, draft=10))  # every round 20 ms, decode 10 ms
+    assert c.seconds[0] == pytest.approx(10 * MS) and c.seconds[5] == pytest.approx(20 * MS)
+    c.observe_seconds(0, 5 * MS)  # a decode step: its own estimate, nothing else moves
+    assert c.seconds[0] == pytest.approx(5 * MS) and c.seconds[5] == pytest.approx(20 * MS)
+    c.observe_seconds(5, 40 * MS)  # a round twice as slow as measured: log-scale TRACK * log 2
+    assert c.seconds[5] == pytest.approx(40 * MS)
+    assert c.seconds[3] == pytest.approx(20 * MS * 2 ** TRACK)
+    c.observe_seconds(5, 20 * MS)  # its running mean: 40 + TRACK * (20 - 40)
+    assert c.seconds[5] == pytest.approx((40 - TRACK * 20) * MS)
+    assert c.seconds[0] == pytest.approx(5 * MS)

@@ -73,8 +73,13 @@ def run_llama_cpp(model_name: str, gguf: Path, prompt_ids: Sequence[int], max_to
                   threads: int | None = None) -> PeerResult:
     """Greedy target-only generation of `max_tokens` after `prompt_ids`, timed per phase
     (after one warm-up pass, as for our backends), in a child process."""
-    request = dict(model_name=model_name, gguf=str(gguf), prompt_ids=[int(i) for i in prompt_ids],
+    request = dict(op="generate", model_name=model_name, gguf=str(gguf), prompt_ids=[int(i) for i in prompt_ids],
                    max_tokens=int(max_tokens), n_ctx=n_ctx, threads=threads)
+    return PeerResult(**_child(request, gguf))
+
+
+def _child(request: dict, gguf: Path) -> dict:
+    """Run one request (`op`: generate or quantize) in a child process; its JSON answer."""
     try:
         proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request), capture_output=True,
                               text=True, timeout=PEER_TIMEOUT_S)
@@ -87,11 +92,35 @@ def run_llama_cpp(model_name: str, gguf: Path, prompt_ids: Sequence[int], max_to
                           f"for this machine: {portable_build_command()}")
     if proc.returncode != 0:
         raise RuntimeError(f"llama.cpp failed on {gguf}: {proc.stderr.strip()[-2000:]}")
-    return PeerResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def quantize(src: Path, dst: Path, preset: str) -> Path:
+    """llama-quantize's `preset` (Q4_K_M, Q5_K_M, IQ4_XS, ...: its per-tensor type mix) of the
+    F32/F16 GGUF `src`, written to `dst` by llama.cpp's own llama_model_quantize, in a child
+    process (as generation: a build for another CPU dies of SIGILL)."""
+    _child(dict(op="quantize", src=str(src), dst=str(dst), preset=preset), Path(src))
+    return Path(dst)
+
+
+def _quantize(src: str, dst: str, preset: str) -> dict:
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    try:
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{preset}")
+    except AttributeError:
+        raise ValueError(f"llama.cpp has no quantisation preset {preset!r}") from None
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize {src} -> {dst} ({preset}) failed")
+    return {}
 
 
 def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens: int, n_ctx: int,
-              threads: int | None) -> PeerResult:
+              threads: int | None) -> dict:
     import llama_cpp
 
     threads = threads or os.cpu_count() or 1
@@ -117,11 +146,13 @@ def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens:
     generate(4)
     tokens, prefill_s, decode_s = generate(max_tokens)
     return PeerResult("llama.cpp " + llama_cpp.__version__, model_name, threads, len(prompt_ids), len(tokens),
-                      len(prompt_ids) / prefill_s, (len(tokens) - 1) / decode_s if decode_s else 0.0, tokens)
+                      len(prompt_ids) / prefill_s, (len(tokens) - 1) / decode_s if decode_s else 0.0,
+                      tokens).to_dict()
 
 
 if __name__ == "__main__":  # `--build-command` prints the rebuild; otherwise one request on stdin
     if sys.argv[1:] == ["--build-command"]:
         print(portable_build_command())
     else:
-        print(json.dumps(_generate(**json.loads(sys.stdin.read())).to_dict()))
+        request = json.loads(sys.stdin.read())
+        print(json.dumps({"generate": _generate, "quantize": _quantize}[request.pop("op")](**request)))

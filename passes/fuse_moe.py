@@ -1,7 +1,7 @@
 """fuse_moe: one `fused_moe` node per Qwen3.5 MoE block.
 
 Matches the block as models/qwen35.py builds it (weights either f32 or behind a
-`dequantize`, so the pass runs before specialise_q8_0):
+`dequantize`, so the pass runs before specialise_matmul):
 
     top_p, ids = topk(softmax(x @ router), k)
     w = top_p / sum(top_p)

@@ -2,14 +2,14 @@
 
     -O0  the graph as built
     -O1  canonicalise
-    -O2  canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_q8_0,
+    -O2  canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_matmul,
          fuse_elementwise, group_matmuls, fuse_matmul, canonicalise   (the default)
 
 Memory is planned after the pipeline, at the end of lowering (passes/plan_memory.py: the
 buffers of a call are only known once views, in-place writes and temporaries are decided).
 
 Numerics `q8` (default `exact`) adds quantize_activations after group_matmuls (after
-specialise_q8_0 at levels below 2): Q8_0 products take Q8_0 activations, as llama.cpp's CPU
+specialise_matmul at levels below 2): Q8_0 products take Q8_0 activations, as llama.cpp's CPU
 path does. `only` keeps just the named passes of the level, `skip` drops named ones. The graph is
 verified after every pass. With `dump_dir`, DIR/<graph name>/NN-<pass>.txt (the printer's
 text form, which parse_graph reads back) and .dot are written for the input (00-input)
@@ -34,10 +34,10 @@ from .fuse_matmul import fuse_matmul
 from .fuse_moe import fuse_moe
 from .group_matmuls import group_matmuls
 from .quantize_activations import NUMERICS, quantize_activations
-from .specialise_q8_0 import specialise_q8_0
+from .specialise_matmul import specialise_matmul
 
 Pass = Callable[[Graph], Graph]
-PASSES: tuple[Pass, ...] = (canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_q8_0,
+PASSES: tuple[Pass, ...] = (canonicalise, fuse_attention, fuse_moe, fuse_gated_deltanet, specialise_matmul,
                             fuse_elementwise, group_matmuls, fuse_matmul, canonicalise)
 LEVELS: dict[int, tuple[Pass, ...]] = {0: (), 1: (canonicalise,), 2: PASSES}
 DEFAULT_LEVEL = 2
@@ -52,7 +52,7 @@ def with_numerics(passes: tuple[Pass, ...], numerics: str) -> tuple[Pass, ...]:
     if group_matmuls in passes:
         at = passes.index(group_matmuls) + 1
         return passes[:at] + (quantize_activations,) + passes[at:]
-    return passes + (specialise_q8_0, quantize_activations)
+    return passes + (specialise_matmul, quantize_activations)
 
 
 def select(level: int = DEFAULT_LEVEL, only: Iterable[str] | None = None, skip: Iterable[str] = (),

@@ -25,7 +25,7 @@ from dflash_ir.quant import COLS_BLOCK_BYTES
 from .fused import fused_matmul_parts
 from .shapes import FLAT, cdiv, flat_launch, prod
 
-GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_q8_0); more take the tiled GEMM
+GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_matmul); more take the tiled GEMM
 GEMV_THREADS = 256
 TILE = 32         # GEMM output tile (TILE x TILE) and K step
 THREADS = 16      # GEMM work-group is THREADS x THREADS, each thread 2x2 outputs

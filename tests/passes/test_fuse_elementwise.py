@@ -4,7 +4,7 @@ import pytest
 from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
 from dflash_ir.passes.fuse_elementwise import fuse_elementwise
-from dflash_ir.passes.specialise_q8_0 import specialise_q8_0
+from dflash_ir.passes.specialise_matmul import specialise_matmul
 from dflash_ir.quant import quantize
 
 WEIGHT = np.random.default_rng(3).standard_normal((8, 32)).astype(np.float32)
@@ -72,7 +72,7 @@ def residual_adds(graph):
 def test_model_graphs(tiny_models, worst_relative, arch):
     pair = tiny_models(arch, "q8_0")
     for name in ("target.verify", "draft.block"):
-        g = specialise_q8_0(pair.graphs[name])
+        g = specialise_matmul(pair.graphs[name])
         out = fuse_elementwise(g)
         producers = out.producers()
         assert not any(n.op == "mul" and any(i in producers and producers[i].op in ("silu", "sigmoid")

@@ -10,7 +10,7 @@ from dflash_ir.verifier import verify
 
 FUSED = {"fused_attention", "fused_moe", "fused_gated_deltanet", "matmul_q8_0", "matmul_f16", "matmul_group",
          "swiglu", "sigmoid_gate"}
-ORDER = ["canonicalise", "fuse_attention", "fuse_moe", "fuse_gated_deltanet", "specialise_q8_0", "fuse_elementwise",
+ORDER = ["canonicalise", "fuse_attention", "fuse_moe", "fuse_gated_deltanet", "specialise_matmul", "fuse_elementwise",
          "group_matmuls", "fuse_matmul", "canonicalise"]
 DUMPS = ["00-input", *(f"{i:02d}-{p}" for i, p in enumerate(ORDER, 1))]
 

@@ -61,6 +61,6 @@ def test_numerics_mode_adds_the_pass_and_rejects_unknown_modes():
     names = [p.__name__ for p in select(2, numerics="q8")]
     assert names.index("quantize_activations") == names.index("group_matmuls") + 1
     assert "quantize_activations" not in [p.__name__ for p in select(2)]
-    assert [p.__name__ for p in select(0, numerics="q8")] == ["specialise_q8_0", "quantize_activations"]
+    assert [p.__name__ for p in select(0, numerics="q8")] == ["specialise_matmul", "quantize_activations"]
     with pytest.raises(ValueError, match="numerics must be one of exact, q8"):
         select(2, numerics="int4")

@@ -1,7 +1,8 @@
-"""specialise_q8_0: matmul(x, dequantize(W)) -> matmul_q8_0(x, W) (and matmul_f16 for F16 W).
+"""specialise_matmul: matmul(x, dequantize(W)) -> matmul_<type>(x, W) for a weight stored as
+F16 or any block type (matmul_q8_0, matmul_q4_k, ...: ops/specialised.py OPS).
 
-The specialised op reads the weight's stored blocks directly, so no f32 copy of a weight
-is ever made. Its attrs fix the kernel: `form` is "gemv" for a few rows (a static row
+The specialised op reads the weight as stored (block types through their decoder,
+dflash_ir/blocks.py), so no f32 copy of a weight is ever made. Its attrs fix the kernel: `form` is "gemv" for a few rows (a static row
 count <= 16, or symbolic rows in a verify, draft block or decode graph, whose rows are at
 most a speculative block) and "gemm" otherwise; K and N are baked in; `layout` names the
 weight layout a backend packs. Quantised activations are a separate pass
@@ -36,5 +37,5 @@ _MATMUL = P("matmul", V("x"), P("dequantize", V("w", kind="weight", dtype=tuple(
 RULES = [Rule("specialise", _MATMUL, _specialise)]
 
 
-def specialise_q8_0(graph: Graph) -> Graph:
-    return rewrite(graph, RULES, name="specialise_q8_0")
+def specialise_matmul(graph: Graph) -> Graph:
+    return rewrite(graph, RULES, name="specialise_matmul")

@@ -1,7 +1,12 @@
+import numpy as np
 import pytest
 
+from dflash_ir.blocks import DECODERS
+from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
-from dflash_ir.passes.specialise_q8_0 import form, specialise_q8_0
+from dflash_ir.interpreter import Interpreter
+from dflash_ir.passes.specialise_matmul import form, specialise_matmul
+from quant_blocks import random_blocks
 
 FORMS = {"target.prefill": "gemm", "target.verify": "gemv", "target.decode": "gemv", "draft.block": "gemv",
          "draft.inject": "gemm"}
@@ -20,7 +25,7 @@ def test_every_dequantized_matmul_is_specialised(tiny_models, worst_relative, ar
     for name, expected_form in FORMS.items():
         g = pair.graphs[name]
         n_before = len(dequantized_matmuls(g))
-        out = specialise_q8_0(g)
+        out = specialise_matmul(g)
         assert not dequantized_matmuls(out) and "dequantize" not in out.op_counts(), name
         values = out.values()
         specialised = [n for n in out.nodes if n.op.startswith("matmul_")]
@@ -40,3 +45,19 @@ def test_form_follows_rows_and_graph_kind():
     assert form((17, 64), None) == "gemm"
     assert form(("T", 64), "verify") == form(("T", 64), "block") == "gemv"
     assert form(("T", 64), "prefill") == form(("S", 64), "inject") == "gemm"
+
+
+@pytest.mark.parametrize("dtype", list(DECODERS), ids=str)
+def test_block_type_weights_get_their_own_op(dtype):
+    b = GraphBuilder("mm")
+    w = b.weight("w", dtype, (5, 256))
+    b.output("y", b.matmul(b.input("x", DType.F32, ("T", 256)), b.dequantize(w)))
+    g = b.build()
+    out = specialise_matmul(g)
+    (node,) = out.nodes[-1:]
+    assert (node.op, node.attr["layout"], node.attr["form"]) == (f"matmul_{dtype}", f"{dtype}_rowmajor", "gemm")
+    rng = np.random.default_rng(0)
+    weights = {"w": random_blocks(rng, (5, 256), dtype)}
+    x = {"x": rng.standard_normal((3, 256)).astype(np.float32)}
+    before, after = (Interpreter(graph, lambda v: weights[v.tensor]).run(x, {}).outputs["y"] for graph in (g, out))
+    assert np.array_equal(before, after)

@@ -37,19 +37,20 @@ def cache_folder(cache_dir: Path, target: Path, draft: Path | None, *, backend: 
     return Path(cache_dir) / f"{target.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def load_or_compile(target: Path, draft: Path | None, *, cache_dir: Path, backend: str, n_ctx: int,
+def cached_artifact(target: Path, draft: Path | None, *, cache_dir: Path, backend: str, n_ctx: int,
                     n_max: int | None, opt_level: int | None, numerics: str, dump_dir=None,
-                    progress: Callable[[str], None]):
-    """The Engine of the pair's cached artifact, compiling it first when there is none."""
-    from dflash_ir.artifact import compile_pair, load_compiled
+                    progress: Callable[[str], None], check: Callable[[Path], None]) -> Path:
+    """The folder of the pair's cached artifact, compiled first when there is none or when
+    `check` (raises ArtifactError) refuses the one there."""
+    from dflash_ir.artifact import compile_pair
 
     folder = cache_folder(cache_dir, target, draft, backend=backend, n_ctx=n_ctx, opt_level=opt_level,
                           numerics=numerics)
     if folder.is_dir():
         try:
-            engine = load_compiled(folder, n_max=n_max)
+            check(folder)
             progress(f"reusing the compiled artifact {folder}")
-            return engine
+            return folder
         except ArtifactError as e:
             progress(f"the cached artifact {folder} cannot be used ({e}); compiling again")
             shutil.rmtree(folder)
@@ -59,4 +60,15 @@ def load_or_compile(target: Path, draft: Path | None, *, cache_dir: Path, backen
     compile_pair(target.resolve(), draft.resolve() if draft else None, out=partial, backend=backend, n_ctx=n_ctx,
                  n_max=n_max, opt_level=opt_level, numerics=numerics, dump_dir=dump_dir, progress=progress)
     partial.rename(folder)
-    return load_compiled(folder, n_max=n_max)
+    return folder
+
+
+def load_or_compile(target: Path, draft: Path | None, *, n_max: int | None, **where):
+    """The Engine of the pair's cached artifact (`cached_artifact`'s arguments), compiling it
+    first when there is none; a cached one is checked by loading it."""
+    from dflash_ir.artifact import load_compiled
+
+    loaded = []
+    folder = cached_artifact(target, draft, n_max=n_max, check=lambda f: loaded.append(load_compiled(f, n_max=n_max)),
+                             **where)
+    return loaded[0] if loaded else load_compiled(folder, n_max=n_max)

@@ -3,6 +3,7 @@
     dflash-serve -m target.gguf -md draft.gguf --spec-type draft-dflash --spec-draft-n-max 15 \\
                  -ngl 99 -fa on --jinja -c 10000 --host 0.0.0.0 --port 8080
     dflash-serve --artifact out/ -np 2 --api-key secret
+    dflash-serve --artifact out/ -np 2 --ray --replicas 2      # 2 engines behind one endpoint (Ray Serve)
 
 Flags are llama-server's where they mean something here; llama-server flags that tune what
 dflash-ir decides itself (GPU layers, flash attention, threads) are accepted and reported
@@ -21,7 +22,7 @@ from dflash_ir.cli.compile import add_compile_args, resolve_backend
 from dflash_ir.errors import ArtifactError
 from dflash_ir.runtime.sampling import SamplingParams
 
-from .artifact_cache import default_cache_dir, load_or_compile
+from .artifact_cache import cached_artifact, default_cache_dir, load_or_compile
 from .scheduler import speculates
 
 # llama-server flags that do not apply to dflash-ir: (names, takes a value, why)
@@ -69,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--jinja", action="store_true", help="accepted: the GGUF's Jinja chat template is always used")
     g.add_argument("--chat-template-kwargs", type=_json_object, default={},
                    help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
+    r = p.add_argument_group("replicas on Ray Serve (pip install 'dflash-ir[ray]')")
+    r.add_argument("--ray", action="store_true", help="serve --replicas engines, each with -np slots, as a Ray Serve "
+                   "deployment behind one endpoint; the artifact is compiled once, before they start")
+    r.add_argument("--replicas", type=integer(1), help="replicas to start with (default 1, or --min-replicas)")
+    r.add_argument("--min-replicas", type=integer(0), help="autoscaling lower bound (Ray adds replicas while "
+                   "slots are full, removes idle ones)")
+    r.add_argument("--max-replicas", type=integer(1), help="autoscaling upper bound")
+    r.add_argument("--replica-cpus", type=number(0), default=0.5, help="Ray CPUs a replica reserves (default 0.5)")
+    r.add_argument("--replica-timeout", type=number(0, low_open=True), default=600,
+                   help="seconds a request may wait for a replica's next reply piece, queueing included; past "
+                   "it 504 (default 600)")
+    r.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     i = p.add_argument_group("llama-server flags accepted and ignored")
     for names, value, why in IGNORED:
         kw = {"nargs": "?", "const": True} if value == "?" else {} if value else {"action": "store_true"}
@@ -94,6 +107,22 @@ def _check(p: argparse.ArgumentParser, args) -> None:
     for flag, path in (("-m", args.model), ("-md", args.model_draft)):
         if path and not Path(path).is_file():
             p.error(f"{flag}: no such file: {path}")
+    ray_only = [f for f, v in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
+                               ("--max-replicas", args.max_replicas), ("--ray-address", args.ray_address)) if v is not None]
+    if ray_only and not args.ray:
+        p.error(f"{ray_only[0]} needs --ray")
+    if args.ray:
+        lo, hi = args.min_replicas, args.max_replicas
+        if args.replicas is None:
+            args.replicas = max(lo or 1, 1)
+        if (lo is not None and lo > args.replicas) or (hi is not None and hi < args.replicas):
+            p.error(f"--replicas {args.replicas} is outside --min-replicas {lo} .. --max-replicas {hi}")
+        from .ray_serve import import_ray
+
+        try:
+            import_ray(loopback=args.ray_address is None)
+        except RuntimeError as e:
+            p.error(str(e))
 
 
 def _artifact_alias(p: argparse.ArgumentParser, args) -> str:
@@ -121,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, f"ignored_{names[-1].lstrip('-').replace('-', '_')}") not in (None, False):
             _say(f"{names[0]} ignored: {why}")
 
-    import uvicorn
-
-    from .app import ServeConfig, ServerState, create_app
+    from .app import ServeConfig
 
     def load():
         from dflash_ir.artifact import load_compiled
@@ -142,6 +169,22 @@ def main(argv: list[str] | None = None) -> int:
              f"backend {engine.info.get('backend', {}).get('name')}")
         return engine
 
+    config = ServeConfig(alias=alias, n_slots=args.parallel, queue_size=args.queue_size, api_key=args.api_key,
+                         max_body_bytes=args.max_body_bytes, speculative=not args.no_spec, max_tokens=args.n_predict,
+                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.min_p,
+                                                 None if args.seed == -1 else args.seed),
+                         template_kwargs=args.chat_template_kwargs)
+    if args.ray:
+        return _serve_on_ray(args, config)
+    return _serve(args, config, load)
+
+
+def _serve(args, config, load) -> int:
+    """The plain server: one engine, its slots, uvicorn."""
+    import uvicorn
+
+    from .app import ServerState, create_app
+
     failures: list[BaseException] = []
 
     def on_failure(e: BaseException) -> None:
@@ -149,16 +192,31 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"error: {e}")
         server.should_exit = True
 
-    config = ServeConfig(alias=alias, n_slots=args.parallel, queue_size=args.queue_size, api_key=args.api_key,
-                         max_body_bytes=args.max_body_bytes, speculative=not args.no_spec, max_tokens=args.n_predict,
-                         sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.min_p,
-                                                 None if args.seed == -1 else args.seed),
-                         template_kwargs=args.chat_template_kwargs)
     server = uvicorn.Server(uvicorn.Config(create_app(ServerState(config, load, on_failure)), host=args.host,
                                            port=args.port, timeout_graceful_shutdown=5))
     _say(f"starting on http://{args.host}:{args.port} (chat page at /, API at /v1); the model loads meanwhile")
     server.run()
     return 1 if failures else 0
+
+
+def _serve_on_ray(args, config) -> int:
+    """Replicas on Ray Serve: the artifact compiled (or found in the cache) here, once; each
+    replica loads it."""
+    from .ray_serve import Scaling, serve_replicas
+
+    if args.artifact:
+        folder = Path(args.artifact)
+    else:
+        from dflash_ir.artifact import read_manifest
+
+        folder = cached_artifact(Path(args.model), Path(args.model_draft) if args.model_draft else None,
+                                 cache_dir=args.cache_dir, backend=resolve_backend(args.backend),
+                                 n_ctx=DEFAULT_CTX if args.ctx_size is None else args.ctx_size,
+                                 n_max=args.spec_draft_n_max, opt_level=args.opt_level, numerics=args.numerics,
+                                 dump_dir=args.dump_ir, progress=_say, check=read_manifest)
+    scaling = Scaling(args.replicas, args.min_replicas, args.max_replicas, args.replica_cpus, args.replica_timeout)
+    return serve_replicas(folder.resolve(), config, scaling, n_max=args.spec_draft_n_max, host=args.host,
+                          port=args.port, address=args.ray_address, say=_say)
 
 
 def _say(msg: str) -> None:

@@ -1,17 +1,18 @@
-"""Concurrent clients against a running dflash-serve: aggregate tokens/s with 1, 2, 4 ...
-clients, and the request driver of the load test.
+"""Concurrent clients against a running dflash-serve: aggregate tokens/s and request latency
+percentiles with 1, 2, 4 ... clients, and the request driver of the load test.
 
     python -m dflash_ir.serve.loadgen --url http://127.0.0.1:8080 --clients 1,2,4 --requests 8 -n 64
 
 Each client sends its requests one after another (a completion with `ignore_eos`, so every
 request generates exactly -n tokens); the aggregate rate is all completion tokens over the
-wall time of the whole run. Plain HTTP (http.client), no other dependency.
+wall time of the whole run; a request's latency is from sending it to its last byte. Plain HTTP (http.client), no other dependency.
 """
 from __future__ import annotations
 
 import argparse
 import http.client
 import json
+import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,14 @@ class Result:
     finish_reason: str | None = None
     cancelled: bool = False
     error: str | None = None
+    seconds: float = 0.0  # latency: request sent to response read
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The nearest-rank p-th percentile (p in (0, 100]): the smallest value with at least p%
+    of the values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(p / 100 * len(ordered))) - 1]
 
 
 def complete(url: str, body: dict, *, cancel_after: int | None = None, api_key: str | None = None,
@@ -76,10 +85,16 @@ def run(url: str, bodies: list[dict], clients: int, *, cancel_after: dict[int, i
         api_key: str | None = None) -> tuple[list[Result], float]:
     """Send `bodies` from `clients` concurrent clients; (results in order, wall seconds)."""
     cancel_after = cancel_after or {}
+
+    def timed(i: int) -> Result:
+        sent = time.perf_counter()
+        result = complete(url, bodies[i], cancel_after=cancel_after.get(i), api_key=api_key)
+        result.seconds = time.perf_counter() - sent
+        return result
+
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda i: complete(url, bodies[i], cancel_after=cancel_after.get(i), api_key=api_key),
-                                range(len(bodies))))
+        results = list(pool.map(timed, range(len(bodies))))
     return results, time.perf_counter() - start
 
 
@@ -94,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
     run(args.url, [body], 1, api_key=args.api_key)  # warm-up
-    print(f"{'clients':>7} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+    print(f"{'clients':>7} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} "
+          f"{'p50 s':>7} {'p90 s':>7} {'p99 s':>7}")
     for clients in (int(c) for c in args.clients.split(",")):
         results, seconds = run(args.url, [body] * (clients * args.requests), clients, api_key=args.api_key)
         failed = [r.error for r in results if r.error]
@@ -102,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{clients} clients: {len(failed)} requests failed, e.g. {failed[0]}", file=sys.stderr)
             return 1
         tokens = sum(r.completion_tokens for r in results)
-        print(f"{clients:>7} {len(results):>8} {tokens:>7} {seconds:>8.2f} {tokens / seconds:>9.1f}")
+        latencies = [r.seconds for r in results]
+        print(f"{clients:>7} {len(results):>8} {tokens:>7} {seconds:>8.2f} {tokens / seconds:>9.1f} "
+              + " ".join(f"{percentile(latencies, p):>7.2f}" for p in (50, 90, 99)))
     return 0
 
 

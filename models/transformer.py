@@ -6,8 +6,8 @@ One builder serves every call shape the runtime needs:
 - verify:  T rows on top of existing state (recurrent form, emitting per-row states so the
            speculative loop can roll back to any row);
 - decode:  one row.
-Each returns logits for the rows listed in `logit_rows` (decode: for its one row, without a
-gather) and their argmax ids (`greedy`), the concatenated residual-stream outputs of the tap
+Each returns logits for the rows listed in `logit_rows` (decode and verify: for all their
+rows, without a gather) and their argmax ids (`greedy`), the concatenated residual-stream outputs of the tap
 layers (DFlash features), and updates the explicit state: a fixed-capacity KV cache per
 attention layer (rows >= kv_len are ignored, so rolling back attention is just a shorter
 kv_len).
@@ -80,7 +80,7 @@ class TargetBuilder:
         positions = b.input("positions", DType.I32, (T,))
         pos = b.input("pos", DType.I32, ())
         kv_len = b.input("kv_len", DType.I32, ())
-        logit_rows = None if spec.kind == "decode" else b.input("logit_rows", DType.I32, ("R",))
+        logit_rows = None if spec.kind in ("decode", "verify") else b.input("logit_rows", DType.I32, ("R",))
 
         h = b.embedding(self._w(b, "token_embd.weight"), tokens, name="embd")
         features = []

@@ -6,8 +6,7 @@ Every layer is five launches: norm + input projections (one fused_matmul), the l
 SwiGLU, down + residual. Five is the floor without a grid-wide barrier: each of those
 launches needs all outputs of the one before (a norm needs the whole row, a projection the
 whole core output). Beside the layers a token launches the embedding, the LM head with the
-final norm, the argmax and the concatenation of the tapped hidden states the draft reads; a
-verify also gathers its rows' states."""
+final norm, the argmax and the concatenation of the tapped hidden states the draft reads."""
 import pytest
 
 from dflash_ir.artifact import open_pair
@@ -39,14 +38,13 @@ def launched(graph, profile: str, rows: int) -> list[str]:
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
-@pytest.mark.parametrize("name, rows, extra", [("target.decode", 1, ("embedding", "argmax", "concat")),
-                                               ("target.verify", 16, ("embedding", "argmax", "concat", "gather"))])
-def test_a_token_is_five_launches_per_layer(graphs, profile, name, rows, extra):
+@pytest.mark.parametrize("name, rows", [("target.decode", 1), ("target.verify", 16)])
+def test_a_token_is_five_launches_per_layer(graphs, profile, name, rows):
     kernels = launched(graphs[name], profile, rows)
     products = [k for k in kernels if k.startswith("matmul_")]
     cores = [k for k in kernels if k.startswith(("fused_gated_deltanet", "fused_attention"))]
     others = sorted(k.split("_")[0] for k in kernels if k not in products and k not in cores)
     assert len(cores) == LAYERS
     assert len(products) == (PER_LAYER - 1) * LAYERS + 1  # the LM head with its norm
-    assert others == sorted(extra)
-    assert len(kernels) == PER_LAYER * LAYERS + 1 + len(extra)
+    assert others == ["argmax", "concat", "embedding"]
+    assert len(kernels) == PER_LAYER * LAYERS + 4

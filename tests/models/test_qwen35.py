@@ -59,9 +59,11 @@ def test_graph_kinds_differ_only_where_they_should(moe_file):
     assert all(a["chunk_size"] == 0 and not a["emit_row_states"] for a in delta(decode))
     assert dict(verify.meta_dict["row_states"]).keys() == {s.value.name for s in verify.states
                                                           if not s.value.name.endswith("_cache")}
-    assert verify.output("logits").type.shape == ("R", 320)  # the rows asked for (logit_rows)
+    assert prefill.output("logits").type.shape == ("R", 320)  # the rows asked for (logit_rows)
+    assert verify.output("logits").type.shape == ("T", 320)  # every row, as the verify reads them
     assert decode.output("logits").type.shape == (1, 320) and decode.output("features").type.shape == (1, 2 * 64)
-    assert "logit_rows" not in {v.name for v in decode.inputs} and "gather" not in decode.op_counts()
+    for g in (verify, decode):
+        assert "logit_rows" not in {v.name for v in g.inputs} and "gather" not in g.op_counts()
     assert len(decode.states) == 2 * 3 + 2 * 1  # conv+ssm per GDN layer, k+v per attention layer
 
 

@@ -360,11 +360,12 @@ case("repeat_interleave", T=2)(lambda c: c.out(c.b.repeat(c.x("x", ("T", 3, 4)),
 def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d: int = 16, dv: int = 16,
                      rows: str | int = "T", pos: int = 6, past: int = 0, n_rot: int = 8, sections: tuple = (),
                      interleaved: bool = False, positions_rank: int = 1, causal: bool | None = None, window: int = 0,
-                     read_old: bool = False):
+                     read_old: bool = False, prefill: bool = False):
     """The layer over caches filled to `pos`; `rows` "T" (a verify or block: a symbol) or 1
     (a decode: static); kv_len = pos + T + `past` (cache rows past the new ones, read from the
     cache); M-RoPE with `sections` (positions [T, 4] when `positions_rank` is 2); with
-    `read_old` the graph also reads the caches as they were (the layer writes a copy)."""
+    `read_old` the graph also reads the caches as they were (the layer writes a copy); `prefill`:
+    the prefill variant (its new rows written to the caches by a launch of their own)."""
     def make(c: CaseBuilder) -> None:
         t = c.bindings["T"] if rows == "T" else rows
         q = c.x("q", (rows, hq, d + dv if gated else d))
@@ -379,7 +380,7 @@ def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d
                                   c.scalar("kv_len", pos + t + past), k_cache, v_cache, eps=1e-6, n_rot=n_rot,
                                   theta=1e6, sections=sections, interleaved=interleaved, scale=d ** -0.5,
                                   causal=persist if causal is None else causal, window=window, gated=gated,
-                                  persist=persist, variant="decode" if rows == 1 else "block")
+                                  persist=persist, variant="prefill" if prefill else "decode" if rows == 1 else "block")
         if persist:
             o, k_all, v_all = res
             c.b.update_state(k_cache, k_all)
@@ -401,6 +402,9 @@ case("fused_attention_window_sections_d40", T=6, C=40)(
 case("fused_attention_block_cache_past_new_rows", T=4, C=20)(  # keys on both sides of the new rows
     _fused_attention(True, False, hq=6, hkv=3, pos=5, past=7))
 case("fused_attention_persist_copy", T=3, C=12)(_fused_attention(False, True, read_old=True))
+case("fused_attention_prefill_gated_gqa4", T=21, C=40)(_fused_attention(True, True, hq=8, hkv=2, pos=3, prefill=True))
+case("fused_attention_prefill_window_copy", T=9, C=24)(
+    _fused_attention(False, True, pos=4, window=5, read_old=True, prefill=True))
 
 
 def _fused_moe(e: int, k: int, f: int, fs: int, w: int = 64, router: DType = F16, gate_2d: bool = False,

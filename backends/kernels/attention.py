@@ -194,9 +194,12 @@ class _Attention:
         self.v: Buffer | None = None
         self.p0: K | None = None
         self.persist = self.gated = False
+        self.fresh = False  # keys [pos, pos + T) made from the k projection (else read from the cache)
 
-    def layer(self, k: Buffer, v: Buffer, q_norm: Buffer, k_norm: Buffer, norm_values: tuple[Value, Value],
-              positions: Buffer, pos_value: Value, pos: Buffer, attr: dict) -> None:
+    def layer(self, k: Buffer, v: Buffer, q_norm: Buffer | None, k_norm: Buffer, norm_values: tuple[Value, Value],
+              positions: Buffer, pos_value: Value, pos: Buffer, attr: dict, keys_from_cache: bool = False) -> None:
+        """The fused layer around the attention; `keys_from_cache`: the new rows are already in
+        the caches (a prefill's first launch wrote them), so they are read there, not made."""
         kb = self.kb
         rope = _Rope(kb, attr, positions, pos_value)
         eps = float(attr["eps"])
@@ -204,13 +207,26 @@ class _Attention:
         self.k_proj = _Projection(k, self.Hkv, self.D, self.D, k_norm, norm_values[1], eps, rope)
         self.v = v
         self.p0 = kb.let("p0", pos[0])
-        self.persist, self.gated = bool(attr.get("persist", True)), bool(attr.get("gated", False))
+        self.fresh = not keys_from_cache
+        self.persist = bool(attr.get("persist", True)) and not keys_from_cache
+        self.gated = bool(attr.get("gated", False))
 
     # -- shared pieces ----------------------------------------------------------------------
     @property
     def new_rows(self) -> tuple[K, K] | None:
-        """Keys [p0, p0 + T), read from the projections, when the layer is fused."""
-        return None if self.p0 is None else (self.p0, self.p0 + dim(self.T))
+        """Keys [p0, p0 + T), read from the projections, when the layer makes them."""
+        return (self.p0, self.p0 + dim(self.T)) if self.fresh else None
+
+    def write_new_rows(self, gpu: bool) -> None:
+        """Rows [pos, pos + T) of K (normed, roped) and V into the caches: a work-group (GPU)
+        or work-item (CPU) per (row, kv head)."""
+        kb = self.kb
+        row, kh = kb.let("row", kb.gid(0)), kb.let("kh", kb.gid(1))
+        if gpu:
+            self.write_rows(row, kh, kb.lid(0), THREADS)
+        else:
+            self.write_rows(row, kh)
+        kb.launch([dim(self.T), self.Hkv])
 
     def visible(self, n: K, row: K) -> tuple[K, K]:
         """Keys [lo, hi) that query `row` sees, the T queries being the last rows of the
@@ -628,7 +644,10 @@ def kv_write(ctx: NodeCtx) -> None:
 @lowers("fused_attention")
 def fused_attention(ctx: NodeCtx) -> None:
     """The layer as one kernel (see the module docstring); with `persist` the caches are
-    written in place (after a copy when another node still reads the old cache)."""
+    written in place (after a copy when another node still reads the old cache). A prefill
+    (`variant`) is two: its new K and V rows into the caches first, so that a query does not
+    norm and rope every earlier new key again (O(T²) for T rows), then the attention over
+    the caches alone."""
     q, _, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_cache = ctx.ins
     a = ctx.attr
     rows, cap = q.type.shape[0], k_cache.type.shape[0]
@@ -636,18 +655,30 @@ def fused_attention(ctx: NodeCtx) -> None:
     ctx.check("kv_write", pos, size=dim(cap), rows=dim(rows))
     _check_attention(ctx, kv_len, cap, rows, causal, window)
     persist = a.get("persist", True)
+    split = persist and a["variant"] == "prefill"
     caches = (k_cache, v_cache)
     if persist:
         caches = tuple(ctx.outs[1:])
         for cache, out in zip((k_cache, v_cache), caches):
             _writable(ctx, cache, out)
-    kb = _kernel(ctx, "fused_attention")
-    names = ("q", "k", "v", "q_norm", "k_norm", "positions", "pos", "kv_len")
-    bufs = dict(zip(names, (kb.bind(name, x) for name, x in zip(names, ctx.ins[:8]))))
-    k_buf, v_buf = (kb.bind(name, c, writes=persist) for name, c in zip(("k_cache", "v_cache"), caches))
-    out = kb.bind("out", ctx.outs[0], writes=True)
-    kernel = _Attention(kb, q=bufs["q"], q_value=q, k_cache=k_buf, v_cache=v_buf, cache=k_cache, dv=v.type.shape[2],
-                        kv_len=bufs["kv_len"], out=out, scale=a["scale"], causal=causal, window=window)
-    kernel.layer(bufs["k"], bufs["v"], bufs["q_norm"], bufs["k_norm"], (q_norm, k_norm), bufs["positions"],
-                 positions, bufs["pos"], a)
-    _launch(ctx, kernel)
+
+    def layer_kernel(op: str, writes_rows: bool) -> _Attention:
+        """The layer's kernel `op`: writing the new rows (the prefill's first launch), or the
+        attention with its q side (and with the new rows, unless they are already written)."""
+        kb = _kernel(ctx, op)
+        names = ("q", "k", "v", "q_norm", "k_norm", "positions", "pos", "kv_len")
+        used = ("k", "v", "k_norm", "positions", "pos") if writes_rows else names
+        b = {name: kb.bind(name, x) for name, x in zip(names, ctx.ins[:8]) if name in used}
+        k_buf, v_buf = (kb.bind(name, c, writes=persist and (writes_rows or not split))
+                        for name, c in zip(("k_cache", "v_cache"), caches))
+        out = None if writes_rows else kb.bind("out", ctx.outs[0], writes=True)
+        kernel = _Attention(kb, q=b.get("q"), q_value=q, k_cache=k_buf, v_cache=v_buf, cache=k_cache,
+                            dv=v.type.shape[2], kv_len=b.get("kv_len"), out=out, scale=a["scale"], causal=causal,
+                            window=window)
+        kernel.layer(b["k"], b["v"], b.get("q_norm"), b["k_norm"], (q_norm, k_norm), b["positions"], positions,
+                     b["pos"], a, keys_from_cache=split and not writes_rows)
+        return kernel
+
+    if split:
+        layer_kernel("new_kv", writes_rows=True).write_new_rows(gpu=ctx.profile == "gpu")
+    _launch(ctx, layer_kernel("fused_attention", writes_rows=False))

@@ -99,8 +99,22 @@ class TVMLLVMBackend(TVMBackend):
         table = {n: {"params": [[p.dtype, p.size] for p in k.params], "ints": list(k.ints)} for n, k in kernels.items()}
         return {"tvm": self.pin(), "library": str(path.relative_to(out_dir)), "kernels": table, "plan": plan.to_dict()}
 
+    def pin(self) -> dict[str, Any]:
+        from .build import host_llvm
+
+        return {"version": version.PINNED, "target": dict(host_llvm())}
+
     def check_entry(self, entry: Mapping[str, Any]) -> None:
+        """The same TVM, and this CPU: the library's vector code is for the CPU it was built on."""
+        from dflash_ir.errors import ArtifactError
+
+        from .build import host_llvm
+
         version.check_artifact(entry)
+        built, here = entry["tvm"]["target"].get("mcpu"), host_llvm()["mcpu"]
+        if built != here:
+            raise ArtifactError(f"this artifact's tvm-llvm kernels were built for the CPU {built!r} and this one is "
+                                f"{here!r}: recompile the artifact here")
 
     def device_for(self, entry: Mapping[str, Any], artifact_dir: Path):
         from .host import HostDevice

@@ -8,6 +8,7 @@ their parameter order and launch extents (size expressions over n_<symbol>), whi
 a plan needs to launch them with the native runtimes."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -28,9 +29,18 @@ GPU_THREADS = 64  # threads per block of the hand-scheduled sequential kernels
 FORMAT = 1        # of the cached build results: bump when what is cached changes
 
 
-def _key(kind: str, kernels: Mapping[str, PrimKernel], what: str) -> str:
-    texts = "\n".join(kernels[n].script() + str(kernels[n].sequential) for n in sorted(kernels))
-    return f"tvm {PINNED} format {FORMAT} {what} {json.dumps(TARGETS[kind], sort_keys=True)}\n{texts}"
+def _key(config: Mapping, kernels: Mapping[str, PrimKernel], what: str) -> str:
+    texts = "\n".join(kernels[n].script(cpu=True) + str(kernels[n].sequential) for n in sorted(kernels))
+    return f"tvm {PINNED} format {FORMAT} {what} {json.dumps(dict(config), sort_keys=True)}\n{texts}"
+
+
+@functools.cache
+def host_llvm() -> dict:
+    """The llvm target for this CPU: LLVM's name for it (e.g. with AVX-512), so the loop nests'
+    16-lane vectors become single instructions; a library built here needs that CPU to load."""
+    import tvm
+
+    return {**TARGETS["llvm"], "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())}
 
 
 def module(kernels: Mapping[str, PrimKernel]):
@@ -40,17 +50,22 @@ def module(kernels: Mapping[str, PrimKernel]):
 
 
 def build_llvm(kernels: Mapping[str, PrimKernel]) -> bytes:
-    """The shared library holding every kernel, as bytes (cached): products and reductions
-    scheduled by dlight's CPU rules, every other block's points spread over the CPU's threads."""
+    """The shared library holding every kernel, as bytes (cached): the hand-scheduled loop
+    nests (cpu_schedules.py) as written, other products and reductions scheduled by dlight's
+    CPU rules, every other block's points spread over the CPU's threads."""
     def build(out: Path) -> None:
         import tvm
         from tvm.s_tir import dlight as dl
 
-        target = tvm.target.Target(TARGETS["llvm"])
+        target = tvm.target.Target(host_llvm())
         rules = [dl.cpu.GEMV(), dl.cpu.Reduction()]
         funcs = {}
         with target:
             for name, k in kernels.items():
+                if k.cpu_body:  # its buffers are distinct values: noalias lets LLVM keep sums in registers
+                    func = tvm.script.from_source(k.script(cpu=True)).with_attr("tirx.noalias", True)
+                    funcs[name] = func.with_attr("tirx.is_scheduled", True)
+                    continue
                 func = tvm.script.from_source(k.script())
                 scheduled = None if k.sequential else _dlight(func, target, rules)
                 funcs[name] = (scheduled or _parallel_points(func)).with_attr("tirx.is_scheduled", True)
@@ -58,7 +73,7 @@ def build_llvm(kernels: Mapping[str, PrimKernel]) -> bytes:
         tvm.compile(tvm.IRModule(funcs), target=target).export_library(str(lib))
         lib.rename(out)
 
-    return cached_build(_key("llvm", kernels, "library"), build)
+    return cached_build(_key(host_llvm(), kernels, "library"), build)
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,7 @@ def build_gpu(kind: str, kernels: Mapping[str, PrimKernel]) -> tuple[str, dict[s
             n: [[k.name, list(k.buffers), list(k.ints), list(k.groups), list(k.local)] for k in ks]
             for n, ks in launches.items()}}))
 
-    data = json.loads(cached_build(_key(kind, kernels, "device"), build))
+    data = json.loads(cached_build(_key(TARGETS[kind], kernels, "device"), build))
     launches = {n: [DeviceKernel(a, tuple(b), tuple(c), tuple(d), tuple(e)) for a, b, c, d, e in ks]
                 for n, ks in data["launches"].items()}
     return data["source"], launches

@@ -4,6 +4,7 @@ the flat typed tensors the PrimFunc declares (zero-copy, via DLPack), so memory 
 checks and states stay the runner's."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -12,6 +13,10 @@ import numpy as np
 from ..plan import compile_expr
 
 ALIGN = 64  # TVM's LLVM code may assume 64-byte aligned buffers
+
+# TVM's thread pool takes half the hardware threads on x86 (it assumes SMT siblings): one on
+# a 2-CPU machine. Every CPU this process may run on, as PoCL uses (read when the pool starts).
+os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 
 class HostDevice:

@@ -34,11 +34,13 @@ class TVMNodeCtx(NodeCtxBase):
     def param(self, name: str, v: Value, writes: bool = False) -> Param:
         return Param(name, TVM_DTYPES[v.type.dtype], storage_size(v), writes)
 
-    def kernel(self, op: str, buffers: Sequence[tuple[str, Value, bool]], body: str, *, sequential: bool = False) -> None:
-        """Add a launch of the PrimFunc with `body` over `buffers` ((param name, value, written?))."""
+    def kernel(self, op: str, buffers: Sequence[tuple[str, Value, bool]], body: str, *, sequential: bool = False,
+               cpu_body: str = "") -> None:
+        """Add a launch of the PrimFunc with `body` over `buffers` ((param name, value, written?));
+        `cpu_body`: its llvm loop nest, where one is scheduled by hand."""
         params = tuple(self.param(n, v, w) for n, v, w in buffers)
         text = body + "".join(p.size for p in params)
-        kernel = PrimKernel(op, params, symbols_in(text, self._l.symbol_params), body, sequential)
+        kernel = PrimKernel(op, params, symbols_in(text, self._l.symbol_params), body, sequential, cpu_body)
         self._l.plan.kernels.setdefault(kernel.name, kernel)
         self.launches.append(Launch(kernel.name, tuple(v.name for _, v, _ in buffers), kernel.ints,
                                     ("1", "1", "1"), (1, 1, 1)))

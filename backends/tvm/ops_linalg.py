@@ -7,6 +7,7 @@ from __future__ import annotations
 from dflash_ir.dtypes import DType
 from dflash_ir.ops.specialised import OPS
 
+from .cpu_schedules import q8_product
 from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, float_to_half, prod, q8_quant, q8_scale, round_half_away, weight_at
 
@@ -30,11 +31,11 @@ def embedding(ctx: TVMNodeCtx) -> None:
                      f"out[t * {dim(k)} + c] = {weight_at(table.type.dtype, 'table', 'ids[t]', 'c', k)}"))
 
 
-def _product(ctx: TVMNodeCtx, op: str, buffers, m: str, n, k, term: str, out) -> None:
+def _product(ctx: TVMNodeCtx, op: str, buffers, m: str, n, k, term: str, out, cpu_body: str = "") -> None:
     """out[row, col] = sum over c of `term` (an expression of row, col, c)."""
     ctx.kernel(op, buffers + [("out", out, True)],
                block([("row", m), ("col", dim(n))], f"out[row * {dim(n)} + col] = out[row * {dim(n)} + col] + {term}",
-                     reduce=[("c", dim(k))], init=f"out[row * {dim(n)} + col] = T.float32(0)"))
+                     reduce=[("c", dim(k))], init=f"out[row * {dim(n)} + col] = T.float32(0)"), cpu_body=cpu_body)
 
 
 def _residual(ctx: TVMNodeCtx, product, residual, m: str, n) -> None:
@@ -56,7 +57,8 @@ def matmul(ctx: TVMNodeCtx) -> None:
         _product(ctx, "matmul_q8_0_q8_0", [("x", x, False), ("w", w, False)], m, n, k, term, product)
     else:
         term = f"x[row * {K} + c] * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
-        _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product)
+        cpu = (q8_product(m, n, k) if w.type.dtype is DType.Q8_0 else None) or ""
+        _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product, cpu)
     if res:
         _residual(ctx, product, res[0], m, n)
 

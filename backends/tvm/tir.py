@@ -231,25 +231,29 @@ class Param:
 
 @dataclass(frozen=True)
 class PrimKernel:
-    """One PrimFunc: flat buffer params, then int params (the symbols its text uses)."""
+    """One PrimFunc: flat buffer params, then int params (the symbols its text uses).
+    `cpu_body`, when set, is the same computation as a loop nest scheduled by hand for the
+    llvm target (cpu_schedules.py); `body` stays the sblock form GPU rules and tuning take."""
 
     op: str
     params: tuple[Param, ...]
     ints: tuple[str, ...]
     body: str
     sequential: bool
+    cpu_body: str = ""
 
     @property
     def name(self) -> str:
-        digest = hashlib.sha256(f"{self.params}{self.ints}{self.sequential}{self.body}".encode()).hexdigest()[:12]
-        return f"tvm_{self.op}_{digest}"
+        text = f"{self.params}{self.ints}{self.sequential}{self.body}{self.cpu_body}"
+        return f"tvm_{self.op}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
-    def script(self) -> str:
+    def script(self, cpu: bool = False) -> str:
+        """TVMScript of the PrimFunc; `cpu`: its hand-scheduled llvm form where it has one."""
         args = ", ".join([f"{p.name}_h: T.handle" for p in self.params] + [f"{n}: T.int32" for n in self.ints])
         lines = ["@T.prim_func(s_tir=True)", f"def {self.name}({args}):",
                  f'    T.func_attr({{"global_symbol": "{self.name}"}})']
         lines += [f'    {p.name} = T.match_buffer({p.name}_h, ({p.size},), "{p.dtype}")' for p in self.params]
-        return "\n".join(lines) + "\n" + self.body
+        return "\n".join(lines) + "\n" + (self.cpu_body if cpu and self.cpu_body else self.body)
 
 
 def block(grid: Sequence[tuple[str, str]], body: str, *, reduce: Sequence[tuple[str, str]] = (), init: str = "",

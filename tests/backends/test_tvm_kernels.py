@@ -52,3 +52,22 @@ def test_f16_bits_convert_exactly_both_ways(tvm, tmp_path):
     with np.errstate(over="ignore"):  # values past 65520 become inf: the point of the check
         want = values.astype(np.float16)
     assert np.array_equal(narrow.view(np.uint16), want.view(np.uint16))
+
+
+def test_q8_0_products_on_llvm_take_the_hand_scheduled_nest():
+    """Every Q8_0-weight product of an f32 x (alone, grouped, fused) lowers with its llvm loop
+    nest (backends/tvm/cpu_schedules.py), so the interpreter comparisons above check the nest;
+    and the cases' row counts select every rows-per-pass variant of it at run time."""
+    from dflash_ir.backends.tvm.cpu_schedules import PASSES
+    from dflash_ir.backends.tvm.lowering import lower
+    from kernel_cases import case_graph
+
+    names = [n for n in CASES if n.startswith(("matmul_q8_0_", "matmul_group_q8_0_", "fused_matmul_norm_"))
+             and "q8_x" not in n and "f16" not in n]
+    chosen = set()
+    for name in names:
+        nests = [k for k in lower(case_graph(CASES[name].build()))[1].values() if k.cpu_body]
+        assert nests, name
+        rows = dict(CASES[name].bindings)["T"]
+        chosen.add(max(r for r, _ in PASSES if rows >= r))
+    assert chosen == {r for r, _ in PASSES}

@@ -1,6 +1,6 @@
 """Version pinning of TVM-built artifacts: a tvm-llvm library loads only with the apache-tvm
-that built it (a clear ArtifactError naming both versions and the fix otherwise), a TVM of
-another version refuses to compile, and tvm-opencl artifacts load and run without TVM."""
+that built it, on the CPU it was built for (a clear ArtifactError naming both and the fix
+otherwise), a TVM of another version refuses to compile, and tvm-opencl artifacts load and run without TVM."""
 import json
 import subprocess
 import sys
@@ -22,10 +22,21 @@ def _case(name="swiglu_broadcast"):
     return c, case_graph(c)
 
 
-def test_entry_pins_the_building_tvm(tvm, tmp_path):
+def test_entry_pins_the_building_tvm_and_cpu(tvm, tmp_path):
+    import tvm as apache_tvm
+
     _, graph = _case()
     entry = tvm.compile(graph, tmp_path)
-    assert entry["tvm"] == {"version": version.PINNED, "target": {"kind": "llvm"}}
+    cpu = str(apache_tvm.target.codegen.llvm_get_system_cpu())
+    assert entry["tvm"] == {"version": version.PINNED, "target": {"kind": "llvm", "mcpu": cpu}}
+
+
+def test_library_built_for_another_cpu_is_refused_by_name(tvm, tmp_path):
+    c, graph = _case()
+    entry = tvm.compile(graph, tmp_path)
+    entry["tvm"]["target"]["mcpu"] = "znver9"
+    with pytest.raises(ArtifactError, match=r"built for the CPU 'znver9' and this one is .*recompile"):
+        tvm.load(graph, entry, tmp_path, lambda w: c.weights[w.tensor])
 
 
 def test_library_from_another_tvm_is_refused_by_name(tvm, tmp_path):

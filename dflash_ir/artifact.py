@@ -135,18 +135,20 @@ def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15
 
 def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int = DEFAULT_CTX, n_max: int | None = None,
                  progress: Callable[[str], None] = lambda msg: None, opt_level: int | None = None,
-                 numerics: str = "exact",
+                 numerics: str = "exact", taps: tuple[int, ...] = (),
                  dump_dir=None) -> Path:
     """Validate the pair, build its graphs, compile them with `backend` and write the artifact.
     `opt_level` None takes the backend's default; `n_ctx` 0 the target's trained context;
-    `n_max` None DEFAULT_N_MAX (block size - 1 when smaller), 0 drafts nothing by default. The tokenizer and chat template are built, and the
+    `n_max` None DEFAULT_N_MAX (block size - 1 when smaller), 0 drafts nothing by default; `taps`
+    (HF 0-based layers) makes a target alone output their features. The tokenizer and chat template are built, and the
     memory the context needs is checked, before anything is written."""
     from dflash_ir.backends.base import get_backend
 
     out = Path(out)
     be = get_backend(backend)
     opt_level = be.default_opt_level if opt_level is None else opt_level
-    pair = open_pair(target, draft, progress=progress, opt_level=opt_level, dump_dir=dump_dir, numerics=numerics)
+    pair = open_pair(target, draft, taps=taps, progress=progress, opt_level=opt_level, dump_dir=dump_dir,
+                     numerics=numerics)
     n_ctx, n_max = resolve_lengths(pair.configs, n_ctx, n_max, DEFAULT_N_MAX)
     target_file = pair.files["target"]
     check_text_processing(target_file.metadata, str(target_file.path))

@@ -43,6 +43,11 @@ def permute_for_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def unpermute_from_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of `permute_for_llama_cpp`: a llama GGUF's q or k rows in HF order."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def gguf_name(hf_name: str) -> str:
     """GGUF tensor name of an HF state-dict entry (ValueError naming an unknown one)."""
     if hf_name in _GLOBAL_NAMES:

@@ -51,18 +51,28 @@ class TokenType(IntEnum):
     BYTE = 6
 
 
-# Pre-tokenizer split patterns by llama.cpp ``tokenizer.ggml.pre`` name.
-# qwen35 differs from qwen2 only by treating combining marks (\p{M}) as letters.
-PRE_TOKENIZER_REGEX = {
+# Pre-tokenizer split patterns by llama.cpp ``tokenizer.ggml.pre`` name, applied in order
+# (each splits the pieces the previous one left), as llama.cpp's llm_tokenizer_bpe does.
+# qwen35 differs from qwen2 only by treating combining marks (\p{M}) as letters; smollm
+# (StarCoder's) isolates every digit, then splits GPT-2's way; llama-bpe is Llama 3's.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+PRE_TOKENIZER_REGEXES = {
     "qwen2": (
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     ),
     "qwen35": (
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "smollm": (r"\p{N}", _GPT2_REGEX),
+    "llama-bpe": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     ),
 }
+# llama.cpp takes a pre-token that is itself a vocabulary entry whole, without merging (Llama 3).
+IGNORE_MERGES = frozenset({"llama-bpe"})
 
 # Tokens llama.cpp marks as end-of-generation by their text (Qwen family).
 EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
@@ -133,6 +143,12 @@ def merges_from_ranks(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
+def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """llama.cpp's splits of pre-type `pre`, then GPT-2's byte-to-unicode mapping."""
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_REGEXES[pre]]
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 class Tokenizer:
     """A GGUF vocabulary as a ``tokenizers`` BPE plus llama.cpp's token types and ids."""
 
@@ -152,10 +168,10 @@ class Tokenizer:
         add_bos: bool = False,
         source: str = "<tokenizer>",
     ):
-        if pre not in PRE_TOKENIZER_REGEX:
+        if pre not in PRE_TOKENIZER_REGEXES:
             raise TokenizerError(
                 f"{source}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
-                f"supported: {sorted(PRE_TOKENIZER_REGEX)}"
+                f"supported: {sorted(PRE_TOKENIZER_REGEXES)}"
             )
         if normalize not in ("nfc", None):
             raise ValueError(f"{source}: normalize must be 'nfc' or None, not {normalize!r}")
@@ -170,7 +186,7 @@ class Tokenizer:
                                  "byte-level text (each character one of the 256 GPT-2 byte characters)")
         self.merges = list(merges)
         self.pre = pre
-        self.pre_regex = PRE_TOKENIZER_REGEX[pre]
+        self.pre_regexes = PRE_TOKENIZER_REGEXES[pre]
         self.normalize = normalize
         self.eos_id, self.bos_id, self.padding_id, self.mask_id = eos_id, bos_id, padding_id, mask_id
         self.add_bos = add_bos
@@ -194,15 +210,10 @@ class Tokenizer:
         for i, (t, ty) in enumerate(zip(self.tokens, self.token_type)):
             if ty != TokenType.UNUSED:
                 vocab.setdefault(t, i)
-        backend = _HFTokenizer(models.BPE(vocab, self.merges, ignore_merges=False))
+        backend = _HFTokenizer(models.BPE(vocab, self.merges, ignore_merges=self.pre in IGNORE_MERGES))
         if self.normalize == "nfc":
             backend.normalizer = normalizers.NFC()
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(self.pre_regex), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+        backend.pre_tokenizer = byte_level_pre_tokenizer(self.pre)
         backend.decoder = decoders.ByteLevel()
         backend.add_tokens(
             [

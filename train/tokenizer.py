@@ -10,11 +10,11 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from dflash_ir.models.generator import CHATML_TEMPLATE as CHAT_TEMPLATE
 from dflash_ir.models.generator import SPECIAL_TOKENS as SPECIALS
-from dflash_ir.models.tokenizer import PRE_TOKENIZER_REGEX, TokenType
+from dflash_ir.models.tokenizer import TokenType, byte_level_pre_tokenizer
 
 MASK = "<|MASK|>"
 
@@ -23,10 +23,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> dict[str, Any]:
     """Train on `texts`; returns the GGUF tokenizer metadata (vocab_size rows in all)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX["qwen35"]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = byte_level_pre_tokenizer("qwen35")
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS), min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

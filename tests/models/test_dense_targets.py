@@ -11,9 +11,10 @@ from dflash_ir.backends.base import get_backend
 from dflash_ir.models.config import TargetConfig
 from dflash_ir.models.generator import write_gguf
 from dflash_ir.models.gguf_file import open_gguf
-from dflash_ir.models.hf_export import hf_plan, permute_for_llama_cpp
+from dflash_ir.models.hf_export import hf_plan, permute_for_llama_cpp, unpermute_from_llama_cpp
 
 import llama_cpp_child
+from hf_reference import hf_greedy
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the oracle extra: pip install -e '.[oracle]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the oracle extra)")
@@ -73,12 +74,6 @@ def _hf_forward(model, ids):
     return out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states]
 
 
-def _hf_greedy(model, ids, n):
-    with torch.no_grad():
-        return model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                              pad_token_id=0)[0, len(ids):].tolist()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_features_and_greedy_match_transformers(hf, arch):
     model, path = hf(arch)
@@ -91,7 +86,7 @@ def test_logits_features_and_greedy_match_transformers(hf, arch):
         want_features = np.concatenate([hidden[t + 1] for t in TAPS], axis=1)  # HF hidden_states[id + 1]
         assert np.abs(out.features - want_features).max() <= TOL
         got = engine.generate(prompt_ids=ids, max_tokens=12, speculative=False, ignore_eos=True).tokens
-        assert got == _hf_greedy(model, ids, 12)
+        assert got == hf_greedy(model, ids, 12)
 
 
 @pytest.mark.slow
@@ -106,7 +101,7 @@ def test_opencl_logits_match_transformers(hf, arch, tmp_path):
         engine.target.reset()
         assert np.abs(engine.target.prefill(ids, all_logits=True).logits - _hf_forward(model, ids)[0]).max() <= TOL
         assert engine.generate(prompt_ids=ids, max_tokens=8, speculative=False,
-                               ignore_eos=True).tokens == _hf_greedy(model, ids, 8)
+                               ignore_eos=True).tokens == hf_greedy(model, ids, 8)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -116,7 +111,7 @@ def test_llama_cpp_reads_the_export_as_transformers_computes_it(hf, arch):
     runs = llama_cpp_child.greedy(path, PROMPTS, 8)
     for ids, run in zip(PROMPTS, runs):
         assert np.abs(np.array(run["last_logits"]) - _hf_forward(model, ids)[0][-1]).max() <= LLAMA_CPP_TOL
-        assert run["tokens"] == _hf_greedy(model, ids, 8)
+        assert run["tokens"] == hf_greedy(model, ids, 8)
 
 
 def test_permutation_pairs_rotate_half_dims_as_adjacent_rows():
@@ -127,6 +122,7 @@ def test_permutation_pairs_rotate_half_dims_as_adjacent_rows():
     for h in range(heads):
         for i in range(d // 2):
             assert p[h, 2 * i] == h * d + i and p[h, 2 * i + 1] == h * d + d // 2 + i
+    assert np.array_equal(unpermute_from_llama_cpp(permute_for_llama_cpp(w, heads), heads), w)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -85,7 +85,7 @@ def test_from_metadata_ids_and_bos():
     tok = Tokenizer.from_metadata(_tiny_metadata(), source="tiny.gguf")
     assert (tok.eos_id, tok.bos_id, tok.mask_id, tok.padding_id) == (262, 264, 261, None)
     assert tok.eos_ids == {262}
-    assert tok.pre == "qwen2" and "\\p{M}" not in tok.pre_regex
+    assert tok.pre == "qwen2" and "\\p{M}" not in tok.pre_regexes[0]
     assert tok.encode("hello", add_special=True) == [264, 259]
     assert tok.encode("hello") == [259]
 
@@ -93,8 +93,8 @@ def test_from_metadata_ids_and_bos():
 def test_unsupported_model_and_pre_are_clear_errors():
     with pytest.raises(ValueError, match=r"tiny\.gguf.*'llama'"):
         Tokenizer.from_metadata(_tiny_metadata(**{"tokenizer.ggml.model": "llama"}), source="tiny.gguf")
-    with pytest.raises(ValueError, match=r"tiny\.gguf.*pre-tokenizer 'llama-bpe'"):
-        Tokenizer.from_metadata(_tiny_metadata(**{"tokenizer.ggml.pre": "llama-bpe"}), source="tiny.gguf")
+    with pytest.raises(ValueError, match=r"tiny\.gguf.*pre-tokenizer 'deepseek-llm'"):
+        Tokenizer.from_metadata(_tiny_metadata(**{"tokenizer.ggml.pre": "deepseek-llm"}), source="tiny.gguf")
     with pytest.raises(ValueError, match="normalize"):
         _tiny(normalize="nfkc")
 

@@ -4,8 +4,8 @@ A kernel indexes its buffers from its grid, its int parameters and its work-grou
 plan that launches it on a larger grid, with other sizes, or on a buffer smaller than the
 one it was built for makes it read or write past that buffer (host memory on PoCL and
 lavapipe). Lowering records what each kernel was built for (plan.Contract: its work-group
-size, its int parameters, and per grid it runs on the bytes each buffer must hold, those
-of the values it was bound to); the memory plan, the packs and the weights say what each
+size, the size expressions its int parameters take, and per grid it runs on the bytes each
+buffer must hold, those of the values it was bound to); the memory plan, the packs and the weights say what each
 buffer holds. The runner checks one against the other when a program loads (every launch,
 with every symbol at 1) and again for the sizes of each new call before its first launch,
 the moment its launch list is resolved; the check evaluates a few products per launch.
@@ -30,17 +30,16 @@ class PlanError(ArtifactError):
     """A launch plan whose kernels would run outside what they were built for."""
 
 
-def check_plan(plan: Plan, symbol_params: set[str], resident: Mapping[str, int],
-               bindings: Mapping[str, int]) -> None:
+def check_plan(plan: Plan, resident: Mapping[str, int], bindings: Mapping[str, int]) -> None:
     """Raise PlanError naming the program, node, kernel and buffer of the first launch that
     does not keep its kernel inside its buffers at these symbol values. `resident`: bytes
     of the buffers that are not the memory plan's (weights, packs, weight-only results)."""
     for step in plan.steps:
         for launch in step.launches:
-            _check_launch(plan, step.node, launch, symbol_params, resident, bindings)
+            _check_launch(plan, step.node, launch, resident, bindings)
 
 
-def _check_launch(plan: Plan, node: int, launch: Launch, symbol_params: set[str], resident: Mapping[str, int],
+def _check_launch(plan: Plan, node: int, launch: Launch, resident: Mapping[str, int],
                   bindings: Mapping[str, int]) -> None:
     where = f"{plan.graph}: node {node}: kernel {launch.kernel}"
     contract = plan.contracts.get(launch.kernel)
@@ -48,9 +47,8 @@ def _check_launch(plan: Plan, node: int, launch: Launch, symbol_params: set[str]
         raise PlanError(f"{where}: the plan has no contract for this kernel")
     if tuple(launch.local) != contract.local:
         raise PlanError(f"{where}: launched with work-groups of {list(launch.local)}, built for {list(contract.local)}")
-    if tuple(launch.ints) != contract.ints or not set(contract.ints) <= symbol_params:
-        raise PlanError(f"{where}: int arguments {list(launch.ints)}, but the kernel takes the symbol sizes "
-                        f"{list(contract.ints)} (of {sorted(symbol_params)})")
+    if tuple(launch.ints) != contract.ints:
+        raise PlanError(f"{where}: int arguments {list(launch.ints)}, but the kernel was built for {list(contract.ints)}")
     uses = [extents for groups, extents in contract.uses if groups == tuple(launch.groups)]
     if not uses:
         raise PlanError(f"{where}: grid {list(launch.groups)} is not one the kernel was built for "

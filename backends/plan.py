@@ -117,8 +117,8 @@ Extent = tuple[tuple[str, ...], int]  # (symbols, bytes per unit of their produc
 
 @dataclass(frozen=True)
 class Contract:
-    """What a kernel was built for: `local` work-items per group, `ints` (the symbol sizes
-    it takes, by parameter name), and `uses`: each grid it is launched with, with the bytes
+    """What a kernel was built for: `local` work-items per group, `ints` (the size
+    expressions its int parameters take), and `uses`: each grid it is launched with, with the bytes
     each buffer parameter must hold then: those of the value lowering bound to it, which
     the kernel stays within on that grid."""
 

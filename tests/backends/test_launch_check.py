@@ -93,7 +93,7 @@ def test_a_work_group_size_or_int_argument_other_than_built_for_is_refused():
     _refused(c, graph, _edit_launch(plan, at, local=(512, 1, 1)),
              r"kernel add_\w+: launched with work-groups of \[512, 1, 1\], built for \[256, 1, 1\]")
     _refused(c, graph, _edit_launch(plan, at, ints=("n_T * 100",)),
-             r"kernel add_\w+: int arguments \['n_T \* 100'\], but the kernel takes the symbol sizes \['n_T'\]")
+             r"kernel add_\w+: int arguments \['n_T \* 100'\], but the kernel was built for \['n_T'\]")
 
 
 def test_a_buffer_rebound_to_a_smaller_value_is_refused_naming_it():

@@ -1,13 +1,14 @@
 """The GGUF block-quant layouts, each written once as a *block decoder*.
 
-A decoder is a function `decode(r, i)`: the f32 value of element `i` of one block, built
-from reads of the block's bytes through a reader `r`. The numpy reference (quant.py) calls
-it with `i` an array of every element index and a reader over many blocks at once; the
-kernel layer (backends/kernels/access.py) calls it with `i` a kernel expression and a
-reader that emits loads. So the layout facts live here only, and every consumer decodes
-the same way. Decoders use only what both sides share: integer + - * << >> & | on the
-indices and bytes (with the kernel value on the left of a shift), comparisons with <, and
-the reader's methods:
+Every type's element i of a block is `scale(j) * code(i) [+ offset(j)]`, j = i // sub the
+sub-block sharing a scale (and a min): a `BlockFormat` holds `sub` and the three parts as
+functions of a reader `r` and an index. The numpy reference (quant.py) calls them with arrays
+of indices and a reader over many blocks at once; the kernel layer (backends/kernels/access.py
+and backends/tvm/tir.py) with kernel expressions and readers that emit loads, and can decode a
+sub-block's scale once for all its elements. So the layout facts live here only, and every
+consumer decodes the same way. The parts use only what every side shares: integer + - * << >>
+& | ^ on indices and bytes (the index or byte on the left of a shift), comparisons with <,
+negation, and the reader's methods:
 
     r.u8(byte)          the block's byte at `byte` (an index expression), as an int
     r.f16(byte)         the f16 at a constant even byte, as f32
@@ -16,17 +17,17 @@ the reader's methods:
     r.select(c, a, b)   a where c, else b
     r.table(name, v, q) entry q of the constant table `v` (f32)
 
-The arithmetic is ggml's, in ggml's order ((d * sc) * q - dmin * m for the K-quants),
-so the numpy decoders equal gguf-py's dequantisation bit for bit (tests/test_quant_types.py).
+The arithmetic is ggml's, in ggml's order ((d * sc) * q - dmin * m for the K-quants: the
+offset is -(dmin * m), and adding a negated value is subtracting it, exactly), so the numpy
+decoders equal gguf-py's dequantisation bit for bit (tests/test_quant_types.py).
 Layouts: ggml-common.h block_q4_0 .. block_q6_K, block_iq4_nl, block_iq4_xs, block_mxfp4.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .dtypes import DType
-
-Decoder = Callable[[Any, Any], Any]
 
 # non-linear 4-bit codebooks: IQ4_NL / IQ4_XS (kvalues_iq4nl) and MXFP4 (E2M1 values, doubled)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -60,72 +61,75 @@ def _k4_scale_min(r, j, at: int):
     return scale, minimum
 
 
-def _q4_0(r, i):
-    return r.f16(0) * r.f32(bits(r, i, 2, 16, 4) - 8)
+def _d(r):
+    return r.f16(0)
 
 
-def _q4_1(r, i):
-    return r.f16(0) * r.f32(bits(r, i, 4, 16, 4)) + r.f16(2)
+def _q5_low(at_qh: int, at_qs: int):
+    """The 5-bit code of Q5_0 / Q5_1: low nibble, bit i of the 32-bit qh as bit 4."""
+    return lambda r, i: bits(r, i, at_qs, 16, 4) | (bits(r, i, at_qh, 1, 1) << 4)
 
 
-def _q5_0(r, i):
-    q = bits(r, i, 6, 16, 4) | (bits(r, i, 2, 1, 1) << 4)
-    return r.f16(0) * r.f32(q - 16)
+def _k_scale(at_d: int, sub_scale):
+    return lambda r, j: r.f16(at_d) * r.f32(sub_scale(r, j))
 
 
-def _q5_1(r, i):
-    q = bits(r, i, 8, 16, 4) | (bits(r, i, 4, 1, 1) << 4)
-    return r.f16(0) * r.f32(q) + r.f16(2)
+def _k4_scale(r, j):
+    return _k4_scale_min(r, j, 4)[0]
 
 
-def _q2_k(r, i):
-    sc = r.u8(i >> 4)
-    return r.f16(80) * r.f32(sc & 15) * r.f32(bits(r, i, 16, 32, 2)) - r.f16(82) * r.f32(sc >> 4)
+def _k4_min(r, j):
+    return -(r.f16(2) * r.f32(_k4_scale_min(r, j, 4)[1]))
 
 
-def _q3_k(r, i):
-    j = i >> 4
-    sc = bits(r, j, 96, 8, 4) | (bits(r, j, 104, 4, 2) << 4)
-    q = bits(r, i, 32, 32, 2) | (bits(r, i, 0, 32, 1) << 2)  # a clear high bit means -4
-    return r.f16(108) * r.f32(sc - 32) * r.f32(q - 4)
+def _q3_k_scale(r, j):
+    return (bits(r, j, 96, 8, 4) | (bits(r, j, 104, 4, 2) << 4)) - 32
 
 
-def _q4_k(r, i):
-    sc, m = _k4_scale_min(r, i >> 5, 4)
-    return r.f16(0) * r.f32(sc) * r.f32(bits(r, i, 16, 32, 4)) - r.f16(2) * r.f32(m)
+def _iq4_xs_scale(r, j):
+    return (bits(r, j, 4, 1, 4) | (bits(r, j, 2, 1, 2) << 4)) - 32
 
 
-def _q5_k(r, i):
-    sc, m = _k4_scale_min(r, i >> 5, 4)
-    q = bits(r, i, 48, 32, 4) | (bits(r, i, 16, 32, 1) << 4)
-    return r.f16(0) * r.f32(sc) * r.f32(q) - r.f16(2) * r.f32(m)
-
-
-def _q6_k(r, i):
-    q = bits(r, i, 0, 64, 4) | (bits(r, i, 128, 32, 2) << 4)
-    return r.f16(208) * r.f32(_signed(r.u8(192 + (i >> 4)))) * r.f32(q - 32)
-
-
-def _iq4_nl(r, i):
-    return r.f16(0) * r.table("iq4", IQ4_VALUES, bits(r, i, 2, 16, 4))
-
-
-def _iq4_xs(r, i):
-    j = i >> 5
-    scale = bits(r, j, 4, 1, 4) | (bits(r, j, 2, 1, 2) << 4)
-    return r.f16(0) * r.f32(scale - 32) * r.table("iq4", IQ4_VALUES, bits(r, i, 8, 16, 4))
-
-
-def _mxfp4(r, i):
+def _mxfp4_scale(r, j):
     """The shared E8M0 exponent e scales by 2^(e - 128) (half of 2^(e - 127): the codebook is
     doubled); e < 2 gives a subnormal f32 (2^-128 is 0x00200000 as bits, 2^-127 twice that)."""
     e = r.u8(0)
-    d = r.f32_bits(r.select(e < 2, (e + 1) * 0x00200000, (e - 1) << 23))
-    return d * r.table("mxfp4", MXFP4_VALUES, bits(r, i, 1, 16, 4))
+    return r.f32_bits(r.select(e < 2, (e + 1) * 0x00200000, (e - 1) << 23))
 
 
-DECODERS: dict[DType, Decoder] = {
-    DType.Q4_0: _q4_0, DType.Q4_1: _q4_1, DType.Q5_0: _q5_0, DType.Q5_1: _q5_1, DType.Q2_K: _q2_k,
-    DType.Q3_K: _q3_k, DType.Q4_K: _q4_k, DType.Q5_K: _q5_k, DType.Q6_K: _q6_k, DType.IQ4_NL: _iq4_nl,
-    DType.IQ4_XS: _iq4_xs, DType.MXFP4: _mxfp4,
+@dataclass(frozen=True)
+class BlockFormat:
+    """How a block type's element values are made (module docstring): `sub` elements share
+    `scale(r, j)` and `offset(r, j)` (None: nothing added); `code(r, i)` is element i's f32 code."""
+
+    sub: int
+    scale: Callable[[Any, Any], Any]
+    code: Callable[[Any, Any], Any]
+    offset: Callable[[Any, Any], Any] | None = None
+
+    def value(self, r, i):
+        """Element i's value: the parts combined in ggml's order."""
+        v = self.scale(r, i >> (self.sub.bit_length() - 1)) * self.code(r, i)
+        return v if self.offset is None else v + self.offset(r, i >> (self.sub.bit_length() - 1))
+
+
+DECODERS: dict[DType, BlockFormat] = {
+    DType.Q4_0: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.f32(bits(r, i, 2, 16, 4) - 8)),
+    DType.Q4_1: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.f32(bits(r, i, 4, 16, 4)), lambda r, j: r.f16(2)),
+    DType.Q5_0: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.f32(_q5_low(2, 6)(r, i) - 16)),
+    DType.Q5_1: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.f32(_q5_low(4, 8)(r, i)), lambda r, j: r.f16(2)),
+    DType.Q2_K: BlockFormat(16, _k_scale(80, lambda r, j: r.u8(j) & 15), lambda r, i: r.f32(bits(r, i, 16, 32, 2)),
+                            lambda r, j: -(r.f16(82) * r.f32(r.u8(j) >> 4))),
+    # a clear high bit (hmask) means -4
+    DType.Q3_K: BlockFormat(16, _k_scale(108, _q3_k_scale),
+                            lambda r, i: r.f32((bits(r, i, 32, 32, 2) | (bits(r, i, 0, 32, 1) << 2)) - 4)),
+    DType.Q4_K: BlockFormat(32, _k_scale(0, _k4_scale), lambda r, i: r.f32(bits(r, i, 16, 32, 4)), _k4_min),
+    DType.Q5_K: BlockFormat(32, _k_scale(0, _k4_scale),
+                            lambda r, i: r.f32(bits(r, i, 48, 32, 4) | (bits(r, i, 16, 32, 1) << 4)), _k4_min),
+    DType.Q6_K: BlockFormat(16, _k_scale(208, lambda r, j: _signed(r.u8(192 + j))),
+                            lambda r, i: r.f32((bits(r, i, 0, 64, 4) | (bits(r, i, 128, 32, 2) << 4)) - 32)),
+    DType.IQ4_NL: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.table("iq4", IQ4_VALUES, bits(r, i, 2, 16, 4))),
+    DType.IQ4_XS: BlockFormat(32, _k_scale(0, _iq4_xs_scale),
+                              lambda r, i: r.table("iq4", IQ4_VALUES, bits(r, i, 8, 16, 4))),
+    DType.MXFP4: BlockFormat(32, _mxfp4_scale, lambda r, i: r.table("mxfp4", MXFP4_VALUES, bits(r, i, 1, 16, 4))),
 }

@@ -129,7 +129,7 @@ def _decode_blocks(storage: np.ndarray, dtype: DType) -> np.ndarray:
     blocks = storage.view(np.uint8).reshape(*storage.shape[:-1], storage.shape[-1] // bb, bb)
     i = np.arange(dtype.block_size, dtype=np.int32)
     with np.errstate(invalid="ignore", over="ignore"):  # inf/NaN scales decode as in ggml
-        values = DECODERS[dtype](_BlockReader(blocks), i)
+        values = DECODERS[dtype].value(_BlockReader(blocks), i)
     return values.reshape(*storage.shape[:-1], -1)  # every value depends on i: a new [..., nb, block] array
 
 

@@ -43,8 +43,25 @@ def weight_at(dtype: DType, buf: Buffer, row: K, col: K, k: Dim) -> K:
     if dtype in DECODERS:
         size, nbytes = dtype.block_size, dtype.block_bytes
         block = cast(I64, row) * (dim(k) / size * nbytes) + (col >> (size.bit_length() - 1)) * nbytes
-        return DECODERS[dtype](_BlockLoads(buf, block), col & (size - 1))
+        return DECODERS[dtype].value(_BlockLoads(buf, block), col & (size - 1))
     raise ValueError(f"{dtype} is not a weight dtype")
+
+
+def weight_chunk(kb, dtype: DType, buf: Buffer, row: K, c: K, k: Dim, out, name: str) -> None:
+    """Elements c .. c+31 (c a multiple of 32) of row `row` of a weight of block type `dtype`
+    into out[0..32): each sub-block's scale and offset decoded once, then only the codes per
+    element (`name` prefixes the variables, unique per call in a scope)."""
+    fmt, size, nbytes = DECODERS[dtype], dtype.block_size, dtype.block_bytes
+    block = kb.let(f"{name}blk", cast(I64, row) * (dim(k) / size * nbytes) + (c >> (size.bit_length() - 1)) * nbytes)
+    r = _BlockLoads(buf, block)
+    first = kb.let(f"{name}i0", c & (size - 1))
+    for s in range(32 // fmt.sub):
+        sub = kb.let(f"{name}j{s}", (first >> (fmt.sub.bit_length() - 1)) + s)
+        scale = kb.let(f"{name}sc{s}", fmt.scale(r, sub))
+        offset = kb.let(f"{name}of{s}", fmt.offset(r, sub)) if fmt.offset else None
+        with kb.loop("e", 0, fmt.sub) as e:
+            value = scale * fmt.code(r, first + s * fmt.sub + e)
+            out[s * fmt.sub + e] = value if offset is None else value + offset
 
 
 class _BlockLoads:

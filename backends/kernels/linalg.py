@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.ops.specialised import OPS
@@ -20,7 +21,7 @@ from dflash_ir.types import Dim
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
-from .access import Q8_BLOCK, SIGMOID, q8_row_bytes, weight_at
+from .access import Q8_BLOCK, SIGMOID, q8_row_bytes, weight_at, weight_chunk
 from dflash_ir.quant import COLS_BLOCK_BYTES
 from .fused import fused_matmul_parts
 from .shapes import FLAT, cdiv, flat_launch, prod
@@ -85,7 +86,7 @@ class Gemv:
 
     @property
     def chunk(self) -> int:
-        return 32 if self.dtype is DType.Q8_0 else 1
+        return 32 if self.dtype is DType.Q8_0 or self.dtype in DECODERS else 1
 
     @property
     def lanes(self) -> int:
@@ -147,7 +148,7 @@ def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K,
     with kb.loop("r", 0, rows * S) as r:
         acc[r] = 0.0
     q8 = g.dtype is DType.Q8_0
-    chunks = dim(g.k) / 32 if q8 else dim(g.k)
+    chunks = dim(g.k) / g.chunk
     with kb.loop("c", lane, chunks, L, cond=n < n_total) as c:
         scales, values = [], []
         for j, wrow in enumerate(wrows):
@@ -167,8 +168,11 @@ def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K,
                         wv[2 * e + 1] = cast(F32, sext8(two >> 8))
                     values.append(wv)
             else:
-                wv = kb.array(f"wv{j}", F32, 1)
-                wv[0] = weight_at(g.dtype, w, wrow, c, g.k)
+                wv = kb.array(f"wv{j}", F32, g.chunk)
+                if g.chunk > 1:  # a block type's 32 elements, sub-block scales decoded once
+                    weight_chunk(kb, g.dtype, w, wrow, c * 32, g.k, wv, f"w{j}")
+                else:
+                    wv[0] = weight_at(g.dtype, w, wrow, c, g.k)
                 values.append(wv)
         with kb.loop("r", 0, rows, cond=lambda r: r0 + r < count) as r:
             row = kb.let("row", r0 + r)
@@ -586,9 +590,12 @@ def _rowwise(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, R: int, store: 
             acc[r * 32 + e] = 0.0
     with kb.loop("c", 0, K_, 32) as c:
         wv = kb.array("wv", F32, 32)
-        with kb.loop("e", 0, 32) as e:
-            value = weight_at(dtype, w, wrow(n_col, r0), c + e, k)
-            wv[e] = value if whole else select(c + e < K_, value, 0.0)
+        if dtype in DECODERS:  # whole blocks: sub-block scales decoded once per 16 or 32 elements
+            weight_chunk(kb, dtype, w, wrow(n_col, r0), c, k, wv, "w")
+        else:
+            with kb.loop("e", 0, 32) as e:
+                value = weight_at(dtype, w, wrow(n_col, r0), c + e, k)
+                wv[e] = value if whole else select(c + e < K_, value, 0.0)
         with kb.loop("r", 0, R, cond=lambda r: r0 + r < M) as r:
             row = kb.let("row", r0 + r)
             xc = kb.let("xc", xrow(row) + c)

@@ -102,7 +102,7 @@ def weight_at(dtype: DType, buf: str, row: str, col: str, k: Dim) -> str:
         size, nbytes = dtype.block_size, dtype.block_bytes
         row_bytes = k // size * nbytes if isinstance(k, int) else f"({dim(k)} // {size} * {nbytes})"
         block = f"(({row}) * {row_bytes} + ({col}) // {size} * {nbytes})"
-        return str(DECODERS[dtype](_BlockText(buf, block), _Text(f"(({col}) % {size})")))
+        return str(DECODERS[dtype].value(_BlockText(buf, block), _Text(f"(({col}) % {size})")))
     raise ValueError(f"{dtype} is not a weight dtype")
 
 
@@ -139,6 +139,7 @@ class _Text(str):
     def __or__(self, o): return self._bin("T.bitwise_or({}, {})", o)
     def __xor__(self, o): return self._bin("T.bitwise_xor({}, {})", o)
     def __lt__(self, o): return self._bin("({} < {})", o)
+    def __neg__(self): return _Text(f"(-{self})")
 
 
 class _BlockText:

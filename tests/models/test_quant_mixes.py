@@ -109,13 +109,8 @@ def test_greedy_equals_llama_cpp_on_the_same_file(mixed, preset):
     assert _ours(open_engine(path, n_ctx=64)) == _llama_cpp(path)
 
 
-# the GPU profile's decode steps differ from the interpreter on F16 and Q8_0 files as well (max
-# |diff| ~7 of logits ~40 on this target, NaN with Q8_0), not only on these mixes: reported
-GPU_DECODE = pytest.mark.xfail(strict=True, reason="GPU-profile decode differs on every weight type (issue 19 notes)")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", ["cpu", pytest.param("gpu", marks=GPU_DECODE)])
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_opencl_equals_the_interpreter(mixed, profile, tmp_path, monkeypatch):
     reason = get_backend("opencl").unavailable_reason()
     if reason:

@@ -433,6 +433,7 @@ for _t in (1, 16):  # the 35B-A3B's routing: top-8 of many experts
 case("fused_moe_ragged", T=5)(_fused_moe(6, 2, 96, 32, w=96, router=BF16))
 # 37 rows of 4 experts, top-2: three chunks, every expert chosen by many rows
 case("fused_moe_many_rows", T=37)(_fused_moe(4, 2, 32, 32))
+case("fused_moe_mxfp4", T=5)(_fused_moe(4, 2, 32, 32, dt=DType.MXFP4))  # MXFP4 experts, as MoE uploads ship them
 case("fused_moe_f16_experts", T=5)(_fused_moe(8, 3, 32, 32, dt=F16))  # no fused kernel: the parts' kernels
 
 

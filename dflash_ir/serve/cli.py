@@ -108,15 +108,20 @@ def _check(p: argparse.ArgumentParser, args) -> None:
         if path and not Path(path).is_file():
             p.error(f"{flag}: no such file: {path}")
     ray_only = [f for f, v in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
-                               ("--max-replicas", args.max_replicas), ("--ray-address", args.ray_address)) if v is not None]
+                               ("--max-replicas", args.max_replicas), ("--ray-address", args.ray_address))
+                if v is not None]
     if ray_only and not args.ray:
         p.error(f"{ray_only[0]} needs --ray")
     if args.ray:
         lo, hi = args.min_replicas, args.max_replicas
+        if lo is not None and hi is not None and lo > hi:
+            p.error(f"--min-replicas {lo} is above --max-replicas {hi}")
         if args.replicas is None:
             args.replicas = max(lo or 1, 1)
-        if (lo is not None and lo > args.replicas) or (hi is not None and hi < args.replicas):
-            p.error(f"--replicas {args.replicas} is outside --min-replicas {lo} .. --max-replicas {hi}")
+        if lo is not None and args.replicas < lo:
+            p.error(f"--replicas {args.replicas} is below --min-replicas {lo}")
+        if hi is not None and args.replicas > hi:
+            p.error(f"--replicas {args.replicas} is above --max-replicas {hi}")
         from .ray_serve import import_ray
 
         try:

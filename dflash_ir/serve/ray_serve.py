@@ -110,6 +110,10 @@ class Front:
         return await relay(call, timeout=self._timeout, describe=describe_failure, cancel=call.cancel)
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def describe_failure(e: BaseException) -> api.RequestError:
     """The client's error for a request whose replica could not answer."""
     retry = {"Retry-After": "1"}
@@ -132,24 +136,33 @@ def serve_replicas(artifact: Path, config: ServeConfig, scaling: Scaling, *, n_m
         ray.init(include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False)
     else:
         ray.init(address=address, log_to_driver=False)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, _interrupt)  # as SIGINT: stops a start half-way too
+    serving = False
     try:
         say(f"ray cluster at {ray.get_runtime_context().gcs_address}; starting {scaling.replicas} replica(s) of "
             f"{artifact}")
         serve.start(http_options={"host": host, "port": port})
+        serving = True
         engines = serve.deployment(EngineReplica, name="dflash-engine").options(
             **scaling.engine_options(config.n_slots, config.queue_size))
         front = serve.deployment(Front, name="dflash-front").options(
             num_replicas=1, max_ongoing_requests=1 << 16, ray_actor_options={"num_cpus": 0})
-        serve.run(front.bind(engines.bind(str(artifact), config, n_max), scaling.timeout), name="dflash-serve",
-                  route_prefix="/")
+        try:
+            serve.run(front.bind(engines.bind(str(artifact), config, n_max), scaling.timeout), name="dflash-serve",
+                      route_prefix="/")
+        except Exception as e:  # replicas that failed to start: Ray keeps their errors in the status
+            app = serve.status().applications.get("dflash-serve")
+            why = [d.message.strip().splitlines()[-1] for d in (app.deployments.values() if app else ())
+                   if d.message.strip()]
+            say(f"error: the replicas did not start: {'; '.join(why) or e}")
+            return 1
         say(f"ready: model '{config.alias}', {scaling.replicas} replica(s) x {config.n_slots} slot(s) on "
             f"http://{host}:{port} (API at /v1)")
-        stop.wait()
+        threading.Event().wait()
+    except KeyboardInterrupt:
         say("stopping")
-        serve.shutdown()
     finally:
+        if serving:
+            serve.shutdown()
         ray.shutdown()
     return 0

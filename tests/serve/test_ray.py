@@ -37,11 +37,19 @@ def exit_message(capsys, argv) -> str:
 @pytest.mark.parametrize("argv, says", [
     (["--replicas", "2"], "--replicas needs --ray"),
     (["--max-replicas", "2"], "--max-replicas needs --ray"),
-    (["--ray", "--replicas", "1", "--min-replicas", "2"], "--replicas 1 is outside --min-replicas 2 .. --max-replicas None"),
-    (["--ray", "--replicas", "3", "--max-replicas", "2"], "--replicas 3 is outside --min-replicas None .. --max-replicas 2"),
+    (["--ray", "--replicas", "1", "--min-replicas", "2"], "--replicas 1 is below --min-replicas 2"),
+    (["--ray", "--replicas", "3", "--max-replicas", "2"], "--replicas 3 is above --max-replicas 2"),
+    (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is above --max-replicas 2"),
+    (["--ray", "--max-replicas", "1", "--min-replicas", "0"], None),
 ])
-def test_replica_flags_are_checked(capsys, argv, says):
-    assert says in exit_message(capsys, ["-m", str(TARGET), *argv])
+def test_replica_flags_are_checked(capsys, monkeypatch, argv, says):
+    started = []
+    monkeypatch.setattr(ray_serve, "import_ray", lambda **_: (None, None))
+    monkeypatch.setattr(cli, "_serve_on_ray", lambda args, config: started.append(args.replicas) or 0)
+    if says is None:  # within bounds: the replicas start, as many as the lower bound (at least 1)
+        assert cli.main(["-m", str(TARGET), *argv]) == 0 and started == [1]
+    else:
+        assert says in exit_message(capsys, ["-m", str(TARGET), *argv]) and not started
 
 
 def test_ray_flag_without_ray_names_the_extra(capsys, monkeypatch):
@@ -151,7 +159,10 @@ def test_two_replicas_lose_one_mid_run(demo_artifact, engine, prompts, tmp_path)
     server = ServerProcess(["--artifact", str(demo_artifact), "-np", "2", "--temp", "0", "--ray", "--replicas", "2",
                             "--replica-cpus", "0.5", "--replica-timeout", "60"], tmp_path / "server.log")
     try:
-        server.wait_ready(timeout=600)
+        server.wait_ready(timeout=600)  # the first replica answers /health before the second is up
+        deadline = time.monotonic() + 300
+        while "dflash-serve: ready:" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.5)
         address = re.search(r"ray cluster at (\S+);", server.log()).group(1)
         assert address.startswith("127.0.0.1:")  # loopback only
         before = ray_call(address, "status")
@@ -178,10 +189,13 @@ def test_two_replicas_lose_one_mid_run(demo_artifact, engine, prompts, tmp_path)
             assert getattr(e, "status_code", 503) >= 500
         assert len(failed) < REQUESTS // 2, f"{len(failed)} of {REQUESTS} failed"
 
+        def replaced(now: dict) -> bool:  # Ray notices the death, then starts a new replica
+            return now["running"] == 2 and len(now["replicas"]) == 2 and killed["replicas"][0] not in now["replicas"]
+
         deadline = time.monotonic() + 300
-        while (after := ray_call(address, "status"))["running"] < 2 and time.monotonic() < deadline:
+        while not replaced(after := ray_call(address, "status")) and time.monotonic() < deadline:
             time.sleep(2)
-        assert after["running"] == 2 and killed["replicas"][0] not in after["replicas"]  # a new one replaced it
+        assert replaced(after), (killed, after)
         again = [ask(clients[i], model_id, prompts[i % len(prompts)], 16, i % 2 == 0) for i in range(4)]
         assert again == [want[prompts[i % len(prompts)], 16] for i in range(4)]
         assert request(server.port, "GET", "/health")[0] == 200
@@ -189,3 +203,25 @@ def test_two_replicas_lose_one_mid_run(demo_artifact, engine, prompts, tmp_path)
               f"{len(failed)} failed cleanly, the rest equal the single-client result")
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@needs_ray
+def test_replicas_that_cannot_load_stop_the_server_with_the_engines_error(tmp_path):
+    """The driver only reads the manifest; a replica's full check finds the changed GGUF."""
+    from dflash_ir import compile_pair
+
+    for f in (TARGET, DRAFT):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    compile_pair(tmp_path / TARGET.name, tmp_path / DRAFT.name, out=tmp_path / "art", backend="numpy", n_ctx=256)
+    with open(tmp_path / TARGET.name, "ab") as f:
+        f.write(b"x")
+    server = ServerProcess(["--artifact", str(tmp_path / "art"), "--ray"], tmp_path / "server.log")
+    try:
+        assert server.proc.wait(timeout=300) == 1
+    finally:
+        server.stop()
+    errors = [line for line in server.log().splitlines() if line.startswith("dflash-serve: error:")]
+    assert len(errors) == 1 and "the replicas did not start" in errors[0]
+    assert "ArtifactError: the target GGUF" in errors[0] and "changed since compilation" in errors[0]

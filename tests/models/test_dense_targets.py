@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (the oracle 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the oracle extra)")
 
 TOL = 3e-4  # ARCHITECTURE.md §8: f32-compute logits vs Transformers
-LLAMA_CPP_TOL = 2e-3  # llama.cpp's f32 CPU path sums in its own order
+LLAMA_CPP_TOL = 1e-4  # llama.cpp, f32 file and f32 KV cache (measured <= 9e-6)
 PROMPTS = [[5, 77, 140, 9, 260, 31, 8, 101, 44], [300, 2, 17, 17, 250, 64, 1, 90, 133, 12, 7, 7, 61, 200, 3, 45]]
 TAPS = (1, 0)  # in this order; HF hidden_states[-1] is after the final norm, so not the last layer
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

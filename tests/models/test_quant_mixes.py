@@ -17,7 +17,7 @@ from dflash_ir.artifact import compile_pair, load_compiled, open_engine
 from dflash_ir.backends.base import get_backend
 from dflash_ir.benchmark.peer import PeerCrashed, peer_unavailable, quantize, run_llama_cpp
 from dflash_ir.dtypes import DType
-from dflash_ir.models.generator import tiny_target_config, write_target
+from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
 from dflash_ir.models.gguf_file import open_gguf
 
 PROMPTS = [[5, 77, 140, 9, 260, 31, 8, 101, 44], [300, 2, 17, 17, 250, 64, 1, 90, 133, 12, 7, 7, 61, 200, 3, 45]]
@@ -49,13 +49,16 @@ def mixed(tmp_path_factory):
             _skip_without_llama_cpp()
             d = tmp_path_factory.mktemp(f"{preset}-{'tied' if tied else 'untied'}")
             cfg = tiny_target_config("qwen35", hidden=256, ff=384, n_head=8, ssm_d_state=64, tied_output=tied)
-            src = write_target(d / "f16.gguf", cfg, dtype="f16", seed=3)
+            target = write_target(d / "target-f16.gguf", cfg, dtype="f16", seed=3)
+            draft = write_draft(d / "draft-f16.gguf", tiny_draft_config(cfg), target_cfg=cfg, dtype="f16", seed=4)
             try:
-                made[preset, tied] = quantize(src, d / f"{preset}.gguf", preset)
+                made[preset, tied] = (quantize(target, d / f"target-{preset}.gguf", preset),
+                                      quantize(draft, d / f"draft-{preset}.gguf", preset))
             except PeerCrashed as e:
                 pytest.skip(str(e))
-        return made[preset, tied]
+        return made[preset, tied][0]
 
+    get.pair = lambda preset: (get(preset), made[preset, False][1])
     return get
 
 
@@ -77,9 +80,10 @@ def _dequantised_copy(src, dst):
     return dst
 
 
-def _ours(engine) -> list[list[int]]:
-    return [engine.generate(prompt_ids=ids, max_tokens=TOKENS, speculative=False, ignore_eos=True).tokens
-            for ids in PROMPTS]
+def _ours(engine, speculative: bool = False) -> list[list[int]]:
+    """Greedy tokens of each prompt; speculative: every round verifies n_max (15) proposals."""
+    kw = dict(speculative=True, adaptive=False) if speculative else dict(speculative=False)
+    return [engine.generate(prompt_ids=ids, max_tokens=TOKENS, ignore_eos=True, **kw).tokens for ids in PROMPTS]
 
 
 def _llama_cpp(path) -> list[list[int]]:
@@ -109,6 +113,15 @@ def test_greedy_equals_llama_cpp_on_the_same_file(mixed, preset):
     assert _ours(open_engine(path, n_ctx=64)) == _llama_cpp(path)
 
 
+def test_a_quantised_pair_decodes_speculatively_as_the_target_alone(mixed):
+    """DFlash drafts ship as Q4_K_M too: llama.cpp quantises the generated draft as well."""
+    target, draft = mixed.pair("Q4_K_M")
+    with open_gguf(draft) as f:
+        assert {DType.Q4_K, DType.Q6_K} <= {t.dtype for t in f.tensors.values()}
+    engine = open_engine(target, draft, n_ctx=64)
+    assert _ours(engine, speculative=True) == _ours(engine)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_opencl_equals_the_interpreter(mixed, profile, tmp_path, monkeypatch):
@@ -116,9 +129,9 @@ def test_opencl_equals_the_interpreter(mixed, profile, tmp_path, monkeypatch):
     if reason:
         pytest.skip(f"opencl: {reason}")
     monkeypatch.setenv("DFLASH_IR_PROFILE", profile)
-    path = mixed("Q4_K_M")
+    path, draft = mixed.pair("Q4_K_M")
     reference = open_engine(path, n_ctx=64)
-    engine = load_compiled(compile_pair(path, out=tmp_path / "art", backend="opencl", n_ctx=64),
+    engine = load_compiled(compile_pair(path, draft, out=tmp_path / "art", backend="opencl", n_ctx=64),
                            load_tokenizer=False, measure_costs=False)
     for ids in PROMPTS:
         reference.target.reset()
@@ -126,4 +139,4 @@ def test_opencl_equals_the_interpreter(mixed, profile, tmp_path, monkeypatch):
         want = reference.target.prefill(ids, all_logits=True).logits
         got = engine.target.prefill(ids, all_logits=True).logits
         assert np.abs(got - want).max() <= OPENCL_TOL * np.abs(want).max()
-    assert _ours(engine) == _ours(reference)
+    assert _ours(engine) == _ours(engine, speculative=True) == _ours(reference)

@@ -61,8 +61,14 @@ def _k4_scale_min(r, j, at: int):
     return scale, minimum
 
 
-def _d(r):
+def _d(r, j):
+    """The block's one f16 scale (every sub-block's)."""
     return r.f16(0)
+
+
+def _m(r, j):
+    """The f16 min of Q4_1 / Q5_1, added to every element."""
+    return r.f16(2)
 
 
 def _q5_low(at_qh: int, at_qs: int):
@@ -114,10 +120,10 @@ class BlockFormat:
 
 
 DECODERS: dict[DType, BlockFormat] = {
-    DType.Q4_0: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.f32(bits(r, i, 2, 16, 4) - 8)),
-    DType.Q4_1: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.f32(bits(r, i, 4, 16, 4)), lambda r, j: r.f16(2)),
-    DType.Q5_0: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.f32(_q5_low(2, 6)(r, i) - 16)),
-    DType.Q5_1: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.f32(_q5_low(4, 8)(r, i)), lambda r, j: r.f16(2)),
+    DType.Q4_0: BlockFormat(32, _d, lambda r, i: r.f32(bits(r, i, 2, 16, 4) - 8)),
+    DType.Q4_1: BlockFormat(32, _d, lambda r, i: r.f32(bits(r, i, 4, 16, 4)), _m),
+    DType.Q5_0: BlockFormat(32, _d, lambda r, i: r.f32(_q5_low(2, 6)(r, i) - 16)),
+    DType.Q5_1: BlockFormat(32, _d, lambda r, i: r.f32(_q5_low(4, 8)(r, i)), _m),
     DType.Q2_K: BlockFormat(16, _k_scale(80, lambda r, j: r.u8(j) & 15), lambda r, i: r.f32(bits(r, i, 16, 32, 2)),
                             lambda r, j: -(r.f16(82) * r.f32(r.u8(j) >> 4))),
     # a clear high bit (hmask) means -4
@@ -128,7 +134,7 @@ DECODERS: dict[DType, BlockFormat] = {
                             lambda r, i: r.f32(bits(r, i, 48, 32, 4) | (bits(r, i, 16, 32, 1) << 4)), _k4_min),
     DType.Q6_K: BlockFormat(16, _k_scale(208, lambda r, j: _signed(r.u8(192 + j))),
                             lambda r, i: r.f32((bits(r, i, 0, 64, 4) | (bits(r, i, 128, 32, 2) << 4)) - 32)),
-    DType.IQ4_NL: BlockFormat(32, lambda r, j: _d(r), lambda r, i: r.table("iq4", IQ4_VALUES, bits(r, i, 2, 16, 4))),
+    DType.IQ4_NL: BlockFormat(32, _d, lambda r, i: r.table("iq4", IQ4_VALUES, bits(r, i, 2, 16, 4))),
     DType.IQ4_XS: BlockFormat(32, _k_scale(0, _iq4_xs_scale),
                               lambda r, i: r.table("iq4", IQ4_VALUES, bits(r, i, 8, 16, 4))),
     DType.MXFP4: BlockFormat(32, _mxfp4_scale, lambda r, i: r.table("mxfp4", MXFP4_VALUES, bits(r, i, 1, 16, 4))),

@@ -11,6 +11,7 @@ from dflash_ir.types import Dim
 
 from ..kir import F32, I32, I64, K, bitcast, call, call_function, cast, function, maximum, select
 from ..kir.build import Buffer
+from ..kir.ir import Function
 from ..lowering import dim
 
 # the view a raw element of each dtype is read and written as (copies keep the bits)
@@ -41,9 +42,7 @@ def weight_at(dtype: DType, buf: Buffer, row: K, col: K, k: Dim) -> K:
         block = cast(I64, row) * q8_row_bytes(k) + (col >> 5) * Q8_BLOCK
         return buf.load(block / 2, "f16") * cast(F32, buf.load(block + 2 + (col & 31), "i8"))
     if dtype in DECODERS:
-        size, nbytes = dtype.block_size, dtype.block_bytes
-        block = cast(I64, row) * (dim(k) / size * nbytes) + (col >> (size.bit_length() - 1)) * nbytes
-        return DECODERS[dtype].value(_BlockLoads(buf, block), col & (size - 1))
+        return DECODERS[dtype].value(_BlockLoads(buf, _block_byte(dtype, row, col, k)), col & (dtype.block_size - 1))
     raise ValueError(f"{dtype} is not a weight dtype")
 
 
@@ -51,10 +50,9 @@ def weight_chunk(kb, dtype: DType, buf: Buffer, row: K, c: K, k: Dim, out, name:
     """Elements c .. c+31 (c a multiple of 32) of row `row` of a weight of block type `dtype`
     into out[0..32): each sub-block's scale and offset decoded once, then only the codes per
     element (`name` prefixes the variables, unique per call in a scope)."""
-    fmt, size, nbytes = DECODERS[dtype], dtype.block_size, dtype.block_bytes
-    block = kb.let(f"{name}blk", cast(I64, row) * (dim(k) / size * nbytes) + (c >> (size.bit_length() - 1)) * nbytes)
-    r = _BlockLoads(buf, block)
-    first = kb.let(f"{name}i0", c & (size - 1))
+    fmt = DECODERS[dtype]
+    r = _BlockLoads(buf, kb.let(f"{name}blk", _block_byte(dtype, row, c, k)))
+    first = kb.let(f"{name}i0", c & (dtype.block_size - 1))
     for s in range(32 // fmt.sub):
         sub = kb.let(f"{name}j{s}", (first >> (fmt.sub.bit_length() - 1)) + s)
         scale = kb.let(f"{name}sc{s}", fmt.scale(r, sub))
@@ -62,6 +60,12 @@ def weight_chunk(kb, dtype: DType, buf: Buffer, row: K, c: K, k: Dim, out, name:
         with kb.loop("e", 0, fmt.sub) as e:
             value = scale * fmt.code(r, first + s * fmt.sub + e)
             out[s * fmt.sub + e] = value if offset is None else value + offset
+
+
+def _block_byte(dtype: DType, row: K, col: K, k: Dim) -> K:
+    """Byte offset of the block holding element (row, col) of a weight with rows of k."""
+    size, nbytes = dtype.block_size, dtype.block_bytes
+    return cast(I64, row) * (dim(k) / size * nbytes) + (col >> (size.bit_length() - 1)) * nbytes
 
 
 class _BlockLoads:
@@ -95,7 +99,7 @@ class _BlockLoads:
         return call_function(_table(name, tuple(values)), index)
 
 
-def _table(name: str, values: tuple) -> object:
+def _table(name: str, values: tuple) -> Function:
     """A device function returning entry q of a constant table (one per codebook)."""
     return function(f"{name}_value", [("q", I32)],
                     lambda kb, q: kb.array("values", F32, len(values), init=[float(v) for v in values])[q])

@@ -136,7 +136,7 @@ def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15
 def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int = DEFAULT_CTX, n_max: int | None = None,
                  progress: Callable[[str], None] = lambda msg: None, opt_level: int | None = None,
                  numerics: str = "exact", taps: tuple[int, ...] = (),
-                 dump_dir=None) -> Path:
+                 dump_dir=None, tune_s: float | None = None) -> Path:
     """Validate the pair, build its graphs, compile them with `backend` and write the artifact.
     `opt_level` None takes the backend's default; `n_ctx` 0 the target's trained context;
     `n_max` None DEFAULT_N_MAX (block size - 1 when smaller), 0 drafts nothing by default; `taps`
@@ -146,6 +146,10 @@ def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int 
 
     out = Path(out)
     be = get_backend(backend)
+    if tune_s is not None:  # `tune_s` seconds of MetaSchedule: it measures through TVM's runtime, here llvm's
+        if be.name != "tvm-llvm":
+            raise ValueError(f"--tune: backend {backend} does not tune; tvm-llvm does (backends/tvm/tune.py)")
+        be.tune_s, be.progress = tune_s, progress
     opt_level = be.default_opt_level if opt_level is None else opt_level
     pair = open_pair(target, draft, taps=taps, progress=progress, opt_level=opt_level, dump_dir=dump_dir,
                      numerics=numerics)

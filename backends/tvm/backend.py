@@ -10,18 +10,21 @@ apache-tvm, the launch plan and runner shared with the native backends.
 """
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from dflash_ir.ir import Graph
 from dflash_ir.program import WeightLoader
 
 from ..base import Backend, BackendUnavailable, register_backend
-from ..plan import Launch, Plan, Step, contracts_of
+from ..plan import Launch, Plan, Step, compile_expr, contracts_of
 from ..runner import DeviceProgram, Resident
 from . import version
 from .build import TARGETS, DeviceKernel, build_gpu, build_llvm, digest
 from .lowering import lower
+from .tune import SYMBOL, Tuned, tune
 
 
 def gpu_plan(plan: Plan, launches: Mapping[str, list[DeviceKernel]]) -> Plan:
@@ -30,6 +33,33 @@ def gpu_plan(plan: Plan, launches: Mapping[str, list[DeviceKernel]]) -> Plan:
         for k in launches[launch.kernel]:
             yield Launch(k.name, tuple(launch.buffers[i] for i in k.buffers), k.ints, k.groups, k.local, launch.when)
 
+    return _replan(plan, expand)
+
+
+def tuned_plan(plan: Plan, tuned: Sequence[Tuned]) -> Plan:
+    """`plan` launching each tuned specialisation when the call has its token count (a tuned
+    kernel without the symbol instead of the kernel), the kernel itself otherwise."""
+    by_kernel: dict[str, list[Tuned]] = {}
+    for t in tuned:
+        by_kernel.setdefault(t.kernel, []).append(t)
+
+    def when(*conditions: str | None) -> str | None:
+        return " and ".join(f"({c})" for c in conditions if c) or None
+
+    def expand(launch: Launch):
+        variants = by_kernel.get(launch.kernel, [])
+        for t in variants:
+            rows = f"{SYMBOL} == {t.rows}" if t.rows else None
+            yield Launch(t.name, launch.buffers, (), launch.groups, launch.local, when(launch.when, rows))
+        if not variants or all(t.rows for t in variants):
+            others = [f"{SYMBOL} != {t.rows}" for t in variants]
+            yield Launch(launch.kernel, launch.buffers, launch.ints, launch.groups, launch.local, when(launch.when, *others))
+
+    return _replan(plan, expand)
+
+
+def _replan(plan: Plan, expand: Callable[[Launch], Iterable[Launch]]) -> Plan:
+    """`plan` with every launch replaced by those `expand` makes of it (contracts made anew)."""
     steps = [Step(s.node, tuple(l for launch in s.launches for l in expand(launch)), s.constant, s.temps)
              for s in plan.steps]
     return Plan(plan.graph, {}, steps, dict(plan.aliases), dict(plan.temps), list(plan.checks),
@@ -43,6 +73,10 @@ class TVMBackend(Backend):
 
     def __init__(self):
         self._resident = Resident()
+        self.tune_s: float | None = None   # --tune's budget in seconds (tvm-llvm); None: no tuning
+        self._tune_until = 0.0
+        self.tuning_runs = 0               # MetaSchedule runs the compiles made (cached records are not runs)
+        self.progress: Callable[[str], None] = lambda msg: None
 
     def unavailable_reason(self) -> str | None:
         from ..base import get_backend
@@ -89,15 +123,30 @@ class TVMLLVMBackend(TVMBackend):
         return f"host CPU through the TVM {version.PINNED} runtime (LLVM)"
 
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
+        from .build import host_llvm
+
         self.require_tvm()
         plan, kernels = lower(graph)
-        library = build_llvm(kernels)
-        path = Path(out_dir) / "kernels" / f"tvm-llvm-{digest(library)}.so"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            path.write_bytes(library)
+        tuned = []
+        if self.tune_s is not None:  # one budget for every program this backend compiles
+            self._tune_until = self._tune_until or time.monotonic() + self.tune_s
+            tuned, runs = tune(host_llvm(), kernels, self._tune_until, self.progress)
+            self.tuning_runs += runs
+            plan = tuned_plan(plan, tuned)
+        library = build_llvm(kernels, tuned)
+        out_dir = Path(out_dir)
+        path = _write(out_dir / "kernels" / f"tvm-llvm-{digest(library)}.so", library)
         table = {n: {"params": [[p.dtype, p.size] for p in k.params], "ints": list(k.ints)} for n, k in kernels.items()}
-        return {"tvm": self.pin(), "library": str(path.relative_to(out_dir)), "kernels": table, "plan": plan.to_dict()}
+        for t in tuned:  # the token count is fixed: buffer sizes are numbers
+            env = {SYMBOL: t.rows}
+            table[t.name] = {"params": [[p.dtype, str(compile_expr(p.size)(env))] for p in kernels[t.kernel].params],
+                             "ints": []}
+        entry = {"tvm": self.pin(), "library": str(path.relative_to(out_dir)), "kernels": table, "plan": plan.to_dict()}
+        if tuned:
+            records = json.dumps([t.record for t in tuned], sort_keys=True)
+            entry["tuning"] = str(_write(out_dir / "kernels" / f"tvm-llvm-tuning-{digest(records)}.json",
+                                         records.encode()).relative_to(out_dir))
+        return entry
 
     def pin(self) -> dict[str, Any]:
         from .build import host_llvm
@@ -120,6 +169,13 @@ class TVMLLVMBackend(TVMBackend):
         from .host import HostDevice
 
         return HostDevice(artifact_dir / entry["library"], entry["kernels"])
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_bytes(data)
+    return path
 
 
 class TVMGPUBackend(TVMBackend):

@@ -13,10 +13,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from ..toolchain import cached_build
 from .tir import PrimKernel
+from .tune import Tuned
 from .version import PINNED
 
 TARGETS = {
@@ -49,10 +50,11 @@ def module(kernels: Mapping[str, PrimKernel]):
     return tvm.IRModule({name: tvm.script.from_source(k.script()) for name, k in kernels.items()})
 
 
-def build_llvm(kernels: Mapping[str, PrimKernel]) -> bytes:
+def build_llvm(kernels: Mapping[str, PrimKernel], tuned: Sequence[Tuned] = ()) -> bytes:
     """The shared library holding every kernel, as bytes (cached): the hand-scheduled loop
     nests (cpu_schedules.py) as written, other products and reductions scheduled by dlight's
-    CPU rules, every other block's points spread over the CPU's threads."""
+    CPU rules, every other block's points spread over the CPU's threads; and the `tuned`
+    specialisations (tune.py) beside the kernels they specialise."""
     def build(out: Path) -> None:
         import tvm
         from tvm.s_tir import dlight as dl
@@ -69,11 +71,15 @@ def build_llvm(kernels: Mapping[str, PrimKernel]) -> bytes:
                 func = tvm.script.from_source(k.script())
                 scheduled = None if k.sequential else _dlight(func, target, rules)
                 funcs[name] = (scheduled or _parallel_points(func)).with_attr("tirx.is_scheduled", True)
+            for t in tuned:
+                func = tvm.script.from_source(t.script).with_attr("global_symbol", t.name)
+                funcs[t.name] = func.with_attr("tirx.is_scheduled", True)
         lib = out.with_suffix(".so")
         tvm.compile(tvm.IRModule(funcs), target=target).export_library(str(lib))
         lib.rename(out)
 
-    return cached_build(_key(host_llvm(), kernels, "library"), build)
+    tuned_text = "".join(f"\n{t.name}\n{t.script}" for t in tuned)
+    return cached_build(_key(host_llvm(), kernels, "library") + tuned_text, build)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from dflash_ir.models.checks import MAX_BLOCK_SIZE, MAX_POSITIONS
 
 from .args import integer
 
+TUNE_S = 600.0  # --tune without SECONDS
+
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=integer(0, MAX_POSITIONS), default=None,
@@ -52,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target", help="target model GGUF (qwen35 / qwen35moe)")
     p.add_argument("draft", nargs="?", help="DFlash draft GGUF (arch dflash); omit for a target-only artifact")
     p.add_argument("-o", "--output", required=True, help="artifact folder to write")
+    p.add_argument("--tune", nargs="?", const=TUNE_S, type=float, default=None, metavar="SECONDS",
+                   help=f"tvm-llvm: tune the program's kernels with MetaSchedule for about SECONDS (default {TUNE_S:g}); "
+                        "records are cached and reused by later compiles")
     add_compile_args(p)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         out = compile_pair(args.target, args.draft, out=args.output, backend=resolve_backend(args.backend),
                            n_ctx=DEFAULT_CTX if args.ctx_size is None else args.ctx_size,
                            n_max=args.spec_draft_n_max, opt_level=args.opt_level,
-                           numerics=args.numerics, dump_dir=args.dump_ir,
+                           numerics=args.numerics, dump_dir=args.dump_ir, tune_s=args.tune,
                            progress=lambda msg: print(f"dflash-compile: {msg}", file=sys.stderr, flush=True))
     except (DflashError, ValueError, OSError, BackendUnavailable, CompileError) as e:
         print(f"dflash-compile: error: {e}", file=sys.stderr)

@@ -1,0 +1,170 @@
+"""`--tune`: MetaSchedule on a program's distinct kernels at the row counts that matter, records
+kept in a shared cache keyed by target + kernel + rows and reused by every later compile.
+
+MetaSchedule measures static shapes, and a plan's kernels take the token count as an int
+(`n_T`): a kernel is tuned at each of ROWS (a decode token; a DFlash verify block), and the
+tuned function, specialised to that count, is launched when the call has it (a `when`
+condition); other counts keep the untuned kernel. Tuned are the kernels whose only symbol is
+the token count (or none), that no hand schedule covers (cpu_schedules.py) and that are not
+sequential scans (nothing for MetaSchedule to schedule there).
+
+Builds and measurements run in this process: LocalBuilder and LocalRunner start worker
+processes that each import TVM, which on a loaded 2-core machine outlasts their 30 s
+timeout. The budget is checked before each tuning run, so a compile may overrun it by one.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from dflash_ir import cache
+
+from .tir import PrimKernel
+from .version import PINNED
+
+ROWS = (1, 16)          # token counts tuned: decode, and a verify block of 16
+TRIALS = 8              # MetaSchedule trials per kernel and row count
+SYMBOL = "n_T"          # the token count's int parameter
+FORMAT = 1              # of a cached record: bump when what is stored changes
+
+
+def cache_dir() -> Path:
+    return cache.cache_dir("tuning", "DFLASH_IR_TUNING_CACHE")
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """A kernel's schedule tuned at `rows` tokens: the specialised PrimFunc's TVMScript and the
+    MetaSchedule records (workload and tuning record lines) it came from."""
+
+    kernel: str
+    rows: int
+    script: str
+    record: dict
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}_rows{self.rows}"
+
+
+def tunable(kernel: PrimKernel) -> bool:
+    return not kernel.sequential and not kernel.cpu_body and set(kernel.ints) <= {SYMBOL}
+
+
+def _key(config: Mapping, kernel: PrimKernel, rows: int) -> str:
+    text = f"tvm {PINNED} format {FORMAT} {json.dumps(dict(config), sort_keys=True)} rows {rows}\n{kernel.script()}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def tune(config: Mapping, kernels: Mapping[str, PrimKernel], until: float,
+         progress: Callable[[str], None] = lambda msg: None) -> tuple[list[Tuned], int]:
+    """(the tuned schedules of `kernels`, how many MetaSchedule runs this call made): cached
+    records, and new runs (each stored in the cache) started before time.monotonic() `until`."""
+    found, runs = [], 0
+    for name in sorted(n for n, k in kernels.items() if tunable(k)):
+        for rows in ROWS if SYMBOL in kernels[name].ints else (None,):
+            path = cache_dir() / f"{_key(config, kernels[name], rows or 0)}.json"
+            if not path.is_file():
+                if time.monotonic() >= until:
+                    continue
+                progress(f"tuning {name} at {rows or 'its'} rows ({TRIALS} trials)")
+                _store(path, _tune_one(config, kernels[name], rows))
+                runs += 1
+            record = json.loads(path.read_text())
+            if record["script"]:
+                found.append(Tuned(name, rows or 0, record["script"], record))
+    return found, runs
+
+
+def _store(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(record))
+    partial.replace(path)
+
+
+def _tune_one(config: Mapping, kernel: PrimKernel, rows: int | None) -> dict:
+    """MetaSchedule on the kernel (specialised to `rows`): the best schedule found, or an
+    empty script when no trial built and ran."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    func = tvm.script.from_source(kernel.script())
+    if rows is not None:
+        func = func.specialize({p: tvm.tirx.IntImm("int32", rows) for p in func.params if p.name == SYMBOL})
+    mod = tvm.IRModule({"main": func})
+    target = tvm.target.Target({**config, "num-cores": _cores()})
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dflash-ir-tune-") as work:
+        db = ms.tir_integration.tune_tir(mod, target, work, max_trials_global=TRIALS, num_trials_per_iter=4,
+                                         strategy="replay-trace", cost_model="random",
+                                         builder=_Builder(), runner=_Runner())
+        timed = [r for r in db.get_all_tuning_records() if r.run_secs]
+        lines = {f: Path(work, f).read_text() for f in ("database_workload.json", "database_tuning_record.json")
+                 if Path(work, f).is_file()}
+    record = {"kernel": kernel.name, "rows": rows, "target": dict(config), "trials": TRIALS,
+              "seconds": round(time.monotonic() - t0, 3), "measured": len(timed), "records": lines}
+    if not timed:
+        return {**record, "script": "", "best_s": None}
+    best = min(timed, key=lambda r: float(r.run_secs[0]))
+    sch = tvm.s_tir.Schedule(func)
+    best.trace.apply_to_schedule(sch, remove_postproc=False)
+    return {**record, "script": sch.mod["main"].script(), "best_s": float(best.run_secs[0])}
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+@functools.cache
+def _in_process():
+    """MetaSchedule's builder and runner classes, building and measuring in this process (see
+    the module docstring)."""
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir.meta_schedule.builder import BuilderResult, PyBuilder
+    from tvm.s_tir.meta_schedule.builder.local_builder import default_build, default_export
+    from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, PyRunner
+    from tvm.s_tir.meta_schedule.runner.local_runner import LocalRunnerFuture, _worker_func
+
+    @derived_object
+    class Builder(PyBuilder):
+        def build(self, build_inputs):
+            out = []
+            for b in build_inputs:
+                try:
+                    out.append(BuilderResult(default_export(default_build(b.mod, b.target, None)), None))
+                except Exception as e:  # noqa: BLE001 - a failed candidate is MetaSchedule's to record
+                    out.append(BuilderResult(None, f"{type(e).__name__}: {e}"))
+            return out
+
+    @derived_object
+    class Runner(PyRunner):
+        def run(self, runner_inputs):
+            config = EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False)
+            out = []
+            for r in runner_inputs:
+                try:
+                    costs = _worker_func(None, None, None, config, 1, r.artifact_path, r.device_type,
+                                         [a.as_json() for a in r.args_info])
+                    out.append(LocalRunnerFuture(res=costs))
+                except Exception as e:  # noqa: BLE001 - as above
+                    out.append(LocalRunnerFuture(error_message=f"{type(e).__name__}: {e}"))
+            return out
+
+    return Builder, Runner
+
+
+def _Builder():
+    return _in_process()[0]()
+
+
+def _Runner():
+    return _in_process()[1]()

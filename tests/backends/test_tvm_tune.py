@@ -1,0 +1,63 @@
+"""`dflash-compile --tune` (backends/tvm/tune.py): MetaSchedule records land in the shared cache
+and the artifact, a later compile reuses them without tuning, the tuned specialisation runs
+when a call has its token count and computes what the interpreter does."""
+import json
+
+import pytest
+
+from kernel_cases import CASES, case_graph, compare
+
+
+def test_tuned_plan_launches_each_specialisation_for_its_rows_only(tvm):
+    from dflash_ir.backends.plan import compile_expr
+    from dflash_ir.backends.tvm.backend import tuned_plan
+    from dflash_ir.backends.tvm.lowering import lower
+    from dflash_ir.backends.tvm.tune import Tuned
+
+    plan, kernels = lower(case_graph(CASES["matmul_f16_residual_3_rows"].build()))
+    product = next(n for n, k in kernels.items() if k.op == "matmul")
+    tuned = [Tuned(product, rows, "", {}) for rows in (1, 16)]
+    launches = [l for s in tuned_plan(plan, tuned).steps for l in s.launches]
+    for n_T in (1, 3, 16, 40):
+        ran = [l.kernel for l in launches if l.when is None or compile_expr(l.when)({"n_T": n_T})]
+        want = f"{product}_rows{n_T}" if n_T in (1, 16) else product
+        assert [k for k in ran if k.startswith(product)] == [want], n_T
+        assert len(ran) == 2  # and the residual add, untouched
+
+
+def test_tune_is_refused_for_a_backend_that_does_not_tune(tmp_path, capsys):
+    from dflash_ir.cli.compile import main
+
+    assert main([str(tmp_path / "missing.gguf"), "-o", str(tmp_path / "art"), "--backend", "opencl", "--tune=5"]) == 1
+    assert "--tune: backend opencl does not tune; tvm-llvm does" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tuning_records_are_written_reused_and_the_tuned_kernel_is_correct(tvm, tmp_path, monkeypatch):
+    """One MetaSchedule run (the case's single product at its one row): cache record and the
+    artifact's copy; a second backend compiling the same graph runs no tuning; the tuned
+    kernel (launched: the case has that row count) matches the interpreter."""
+    from dflash_ir.backends.base import get_backend
+    from dflash_ir.backends.tvm import tune
+
+    monkeypatch.setenv("DFLASH_IR_TUNING_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tune, "ROWS", (1,))
+    name = "matmul_f32_1_rows"
+    graph = case_graph(CASES[name].build())
+
+    first = get_backend("tvm-llvm")
+    first.tune_s = 600.0
+    entry = first.compile(graph, tmp_path / "a")
+    assert first.tuning_runs == 1
+    (cached,) = (tmp_path / "cache").glob("*.json")
+    record = json.loads(cached.read_text())
+    assert record["measured"] > 0 and record["script"] and record["records"]["database_tuning_record.json"]
+    assert json.loads((tmp_path / "a" / entry["tuning"]).read_text()) == [record]
+    launched = {l["kernel"]: l.get("when") for s in entry["plan"]["steps"] for l in s["launches"]}
+    assert launched[f"{record['kernel']}_rows1"] == "(n_T == 1)"
+
+    second = get_backend("tvm-llvm")
+    second.tune_s = 600.0
+    assert second.compile(graph, tmp_path / "b")["tuning"] == entry["tuning"]
+    assert second.tuning_runs == 0
+    compare(second, name, tmp_path / "c")

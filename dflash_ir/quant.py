@@ -57,6 +57,9 @@ def quantize(x: np.ndarray, dtype: DType) -> np.ndarray:
         return _quantize_bf16(x)
     if dtype is DType.Q8_0:
         return quantize_q8_0(x)
+    if dtype in DECODERS:
+        raise ValueError(f"cannot quantize to {dtype} here: llama.cpp's llama-quantize makes such files "
+                         "(dflash_ir.benchmark.peer.quantize runs it)")
     raise ValueError(f"cannot quantize to {dtype}: not a floating-point storage type")
 
 

@@ -12,7 +12,7 @@ from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import GGML_TYPE_IDS, DType
 from dflash_ir.models.gguf_file import open_gguf
 from dflash_ir.ops.linalg import as_f32, storage_dtype
-from dflash_ir.quant import dequantize, storage_shape
+from dflash_ir.quant import dequantize, quantize, storage_shape
 from quant_blocks import set_scales
 
 TYPES = list(DECODERS)
@@ -68,6 +68,11 @@ def test_rows_of_blocks_keep_their_layout(dtype):
     assert storage_dtype(storage) is dtype
     rows = as_f32(storage[[2, 0]])
     assert np.array_equal(rows.view(np.uint32), _gguf_values(raw[[2, 0]], dtype).view(np.uint32))
+
+
+def test_quantising_to_a_block_type_names_the_tool_that_does():
+    with pytest.raises(ValueError, match=r"cannot quantize to q4_k here: llama.cpp's llama-quantize makes such files"):
+        quantize(np.zeros((2, 256), np.float32), DType.Q4_K)
 
 
 def test_a_storage_array_of_the_wrong_type_is_refused():

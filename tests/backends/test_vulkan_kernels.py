@@ -9,11 +9,12 @@ import pytest
 from kernel_cases import CASES, compare
 from dflash_ir.backends.vulkan import ENV_VARIANT, VariantFallback
 
-# every kernel family that touches f16, bf16 or Q8_0 data, where the variants differ
+# every kernel family that touches f16, bf16 or block-quant data, where the variants differ
 BASELINE_CASES = ["cast_f32_f16", "cast_f16_f32", "rmsnorm_w_f16", "rmsnorm_w_bf16", "dequantize_q8_0", "embedding_f16",
                   "embedding_q8_0", "matmul_f16_5_rows", "matmul_q8_0_1_rows", "matmul_q8_0_16_rows",
                   "matmul_q8_0_q8_x_3_rows", "matmul_f16_residual_3_rows", "expert_matmul_q8_0",
-                  "attention_causalTrue_gqa2_T1_kv150", "fused_moe"]
+                  "attention_causalTrue_gqa2_T1_kv150", "fused_moe", "matmul_q4_k_16_rows", "matmul_q6_k_1_rows",
+                  "matmul_mxfp4_37_rows"]
 
 
 class LoadSpy:

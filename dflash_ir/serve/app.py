@@ -68,6 +68,11 @@ class ServerState:
     def ready(self) -> bool:
         return self.engine is not None
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread (loading, then the scheduler) is still alive."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._load_and_serve, name="dflash-serve-engine", daemon=True)
         self._thread.start()

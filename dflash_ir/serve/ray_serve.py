@@ -93,6 +93,8 @@ class EngineReplica:
     def check_health(self) -> None:
         if self._failure is not None:
             raise RuntimeError(f"the engine failed: {self._failure}")
+        if not self._state.running:
+            raise RuntimeError("the engine's scheduler thread stopped")
 
     def __del__(self):
         self._state.stop()

@@ -225,3 +225,31 @@ def test_replicas_that_cannot_load_stop_the_server_with_the_engines_error(tmp_pa
     errors = [line for line in server.log().splitlines() if line.startswith("dflash-serve: error:")]
     assert len(errors) == 1 and "the replicas did not start" in errors[0]
     assert "ArtifactError: the target GGUF" in errors[0] and "changed since compilation" in errors[0]
+
+
+def test_a_replica_serves_the_plain_app_and_fails_its_health_check_when_its_engine_stops(demo_artifact, engine):
+    """EngineReplica without Ray: the plain server's routes through the relay, then the
+    health check Ray calls every 2 s once the scheduler thread has ended."""
+    import asyncio
+
+    from dflash_ir.runtime.sampling import SamplingParams
+    from dflash_ir.serve.app import ServeConfig
+    from dflash_ir.serve.relay import Head
+
+    from .test_relay import scope
+
+    config = ServeConfig(alias="demo", n_slots=1, queue_size=0, api_key=None, max_body_bytes=1 << 20,
+                         speculative=True, max_tokens=4, sampling=SamplingParams(0, 40, 0.95, 0.05, None),
+                         template_kwargs={})
+    replica = ray_serve.EngineReplica(str(demo_artifact), config, None)  # costs measured once, by `engine`
+
+    async def get(path: str) -> list:
+        return [p async for p in replica.forward(scope("GET", path), b"")]
+
+    head, body = asyncio.run(get("/v1/models"))
+    assert isinstance(head, Head) and head.status == 200
+    assert json.loads(body)["data"][0]["id"] == "demo" and json.loads(body)["data"][0]["meta"]["slots"] == 1
+    replica.check_health()
+    replica._state.stop()  # what an exception in the scheduler thread leaves
+    with pytest.raises(RuntimeError, match="the engine's scheduler thread stopped"):
+        replica.check_health()

@@ -25,6 +25,17 @@ def test_tuned_plan_launches_each_specialisation_for_its_rows_only(tvm):
         assert len(ran) == 2  # and the residual add, untouched
 
 
+def test_untuned_compile_never_starts_metaschedule(tvm, tmp_path, monkeypatch):
+    from dflash_ir.backends.tvm import tune
+
+    def refuse(*args):
+        raise AssertionError("MetaSchedule started without --tune")
+
+    monkeypatch.setattr(tune, "_tune_one", refuse)
+    entry = tvm.compile(case_graph(CASES["matmul_f32_1_rows"].build()), tmp_path)
+    assert "tuning" not in entry and not any("_rows" in k for k in entry["kernels"])
+
+
 def test_tune_is_refused_for_a_backend_that_does_not_tune(tmp_path, capsys):
     from dflash_ir.cli.compile import main
 

@@ -37,7 +37,7 @@ def portable_scope(scope: dict) -> dict:
     return {k: scope[k] for k in SCOPE_KEYS if k in scope}
 
 
-_running: set[asyncio.Task] = set()  # app calls whose caller left: kept referenced until they end
+_running: set[asyncio.Task] = set()  # app calls, referenced until they end (the loop holds tasks weakly)
 
 
 async def call_app(app, scope: dict, body: bytes) -> AsyncIterator[Head | bytes]:

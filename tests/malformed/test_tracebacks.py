@@ -27,7 +27,7 @@ TINY_TOKENS = tiny_vocab(320)["tokenizer.ggml.tokens"]
     ("tokenizer.ggml.eos_token_id", "5", "tokenizer.ggml.eos_token_id is a str, not a int"),
     ("tokenizer.ggml.bos_token_id", 10**6, r"tokenizer.ggml.bos_token_id = 1000000 is outside the vocabulary \(0..319\)"),
     ("tokenizer.ggml.token_type", [9] * 320, r"tokenizer.ggml.token_type\[0\] = 9 is not a llama.cpp token type"),
-    ("tokenizer.ggml.pre", "llama-bpe", "unsupported pre-tokenizer 'llama-bpe'"),
+    ("tokenizer.ggml.pre", "deepseek-llm", "unsupported pre-tokenizer 'deepseek-llm'"),
     ("tokenizer.ggml.add_bos_token", 1, "tokenizer.ggml.add_bos_token is a int, not a bool"),
     # found by the fuzz campaign (tests/fuzz/regressions/tokenizer/found-a462fa1a...): decoding raised KeyError
     ("tokenizer.ggml.tokens", ["\ufffd", *TINY_TOKENS[1:]], r"token 0 '\ufffd' is NORMAL but not byte-level text"),

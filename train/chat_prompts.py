@@ -21,7 +21,7 @@ SUBJECTS = [
     "ocean tides",
 ]
 TOPIC_TEMPLATES = [
-    "What is {}?", "Why is {} important?", "Describe how {} affects everyday life.", "Explain {} to a ten-year-old.",
+    "What is {}?", "Why is {} important?", "Describe the role of {} in everyday life.", "Explain {} to a ten-year-old.",
     "What are three surprising facts about {}?", "Write a short paragraph about {}.",
     "Give me three tips related to {}.", "Summarise what you know about {} in two sentences.",
     "Write a haiku about {}.", "I'm preparing a school presentation on {}. Where should I start?",

@@ -26,11 +26,15 @@ not beat decoding (`can_pay` is false), the engine never drafts.
 The costs measured at load are a starting point, not the truth: other work on the machine
 (or a cache measured under it) can leave them off by a factor, and off in ratio. The engine
 reports what each decode step and round really took; a round length's estimate becomes the
-running mean of its own observations, and lengths not observed yet follow the measured
-table scaled by how far the observed rounds stand from it. Speculating, the engine would
+running mean (of logarithms) of its own observations for FORGET steps after its last one;
+lengths not observed (lately) follow the measured table scaled by how far the rounds
+observed in the last FORGET steps stand from it (by nothing when none was). The first call at each length is not counted (it sets up
+buffers for its size), and one observation moves an estimate by at most STEP (a hiccup of
+the machine can take many times the usual). Speculating, the engine would
 never time a decode step again, so every REFRESH rounds without one a round decodes instead
 (the first step too): a table whose decode step is too dear cannot keep it speculating at
-a loss.
+a loss. Decoding, round estimates are forgotten FORGET steps after their last observation,
+so rounds timed in a busy moment cannot keep it decoding once the machine is quiet again.
 """
 from __future__ import annotations
 
@@ -43,7 +47,9 @@ PRIOR_ROUNDS = 2.0   # weight of the prior, in observed rounds
 DECAY = 0.95         # per round: the estimates remember the last ~20 rounds
 EXPLORE = 0.03       # share of decoding time that shadow drafts may spend
 TRACK = 0.5          # weight of the newest observed time in the running estimates (load comes and goes)
+STEP = 1.5           # most that one observation multiplies or divides an estimate by
 REFRESH = 8          # speculative rounds after which a decode step is timed again
+FORGET = 64          # steps after which a length's own observations no longer count
 
 
 class LengthController:
@@ -55,25 +61,35 @@ class LengthController:
         self.credit = costs.draft  # seconds of shadow drafting earned: the first decode step has one
         # measured seconds of a round verifying k proposals, k = 0 (a decode step) .. B-1
         self.table = np.array([costs.decode, *(costs.draft + v for v in costs.verify[1:])])
-        self.observed = np.full_like(self.table, np.nan)  # running means of observed rounds
-        self.log_scale = 0.0  # running mean of log(observed / table) over the observed rounds
+        self.log_observed = np.full_like(self.table, np.nan)  # running means of log(seconds) of observed rounds
+        self.log_scale = 0.0  # running mean of log(observed / table) over the observed rounds (not decode steps)
         self.since_decode = REFRESH  # speculative rounds since a decode step was timed
+        self.last_seen = np.full(len(self.table), -FORGET)  # step of each length's last observation
+        self.steps = 0  # observations so far
+        self.warm = np.zeros(len(self.table), bool)  # lengths called once (their first call is not counted)
 
     @property
     def seconds(self) -> np.ndarray:
         """Estimated seconds of a round verifying k = 0..B-1 proposals."""
-        return np.where(np.isnan(self.observed), self.table * np.exp(self.log_scale), self.observed)
+        fresh = ~np.isnan(self.log_observed) & (self.steps - self.last_seen < FORGET)
+        scale = self.log_scale if self.steps - self.last_seen[1:].max() < FORGET else 0.0
+        return np.where(fresh, np.exp(np.where(fresh, self.log_observed, 0.0)), self.table * np.exp(scale))
 
     def observe_seconds(self, proposals: int, seconds: float) -> None:
         """Record what a round verifying `proposals` proposals (0: a decode step) took."""
         if not (self.track and seconds > 0.0):
             return
-        if proposals:
-            self.log_scale += TRACK * (np.log(seconds / self.table[proposals]) - self.log_scale)
-        else:
+        if not proposals:
             self.since_decode = 0
-        before = self.observed[proposals]
-        self.observed[proposals] = seconds if np.isnan(before) else before + TRACK * (seconds - before)
+        if not self.warm[proposals]:
+            self.warm[proposals] = True
+            return
+        estimate = np.log(self.seconds[proposals])
+        if proposals:
+            self.log_scale += _step(np.log(seconds / self.table[proposals]) - self.log_scale)
+        self.log_observed[proposals] = estimate + _step(np.log(seconds) - estimate)
+        self.steps += 1
+        self.last_seen[proposals] = self.steps
 
     def acceptance(self) -> np.ndarray:
         """p_i for i = 1..B-1 (index i-1)."""
@@ -97,7 +113,7 @@ class LengthController:
     def choose(self, n_max: int) -> int:
         """Proposals to verify this round (0: decode), at most n_max."""
         k = self.best(n_max, self.acceptance())
-        if k and self.track and self.since_decode >= REFRESH:
+        if self.track and k and self.since_decode >= REFRESH:
             return 0
         self.since_decode += k > 0
         return k
@@ -115,3 +131,8 @@ class LengthController:
         self.hits *= DECAY
         self.trials[:min(accepted + 1, proposed)] += 1
         self.hits[:accepted] += 1
+
+
+def _step(error: float) -> float:
+    """TRACK of the way from an estimate to an observation (logarithms), at most log(STEP)."""
+    return float(np.clip(TRACK * error, -np.log(STEP), np.log(STEP)))

@@ -4,7 +4,7 @@ it chooses, on drafts that agree on 0, 5 or 15 proposals per round."""
 import pytest
 
 from dflash_ir.artifact import open_engine
-from dflash_ir.runtime.controller import EXPLORE, REFRESH, TRACK, LengthController
+from dflash_ir.runtime.controller import EXPLORE, FORGET, REFRESH, STEP, TRACK, LengthController
 from dflash_ir.runtime.costs import SpecCosts
 
 MS = 1e-3
@@ -145,6 +145,7 @@ def test_observed_round_times_correct_a_cost_table_measured_under_load():
     takes 150 ms, a decode step would take 35, and the draft is never right. Within REFRESH
     rounds it times a decode step again, sees 35 ms, and decodes from then on."""
     c = LengthController(_costs(lambda r: 100 + 5.4 * r, decode=166, draft=35))
+    c.warm[:] = True  # (first calls at each length, which are not counted, made before)
     choices = []
     for step in range(3 * REFRESH):
         k = c.choose(15)
@@ -166,12 +167,57 @@ def test_without_tracking_the_table_alone_decides():
 
 def test_unobserved_lengths_follow_the_shared_factor_and_observed_ones_their_own_mean():
     c = LengthController(_costs(lambda r: 10, decode=10, draft=10))  # every round 20 ms, decode 10 ms
+    c.warm[:] = True  # (first calls at each length, which are not counted, made before)
     assert c.seconds[0] == pytest.approx(10 * MS) and c.seconds[5] == pytest.approx(20 * MS)
-    c.observe_seconds(0, 5 * MS)  # a decode step: its own estimate, nothing else moves
-    assert c.seconds[0] == pytest.approx(5 * MS) and c.seconds[5] == pytest.approx(20 * MS)
-    c.observe_seconds(5, 40 * MS)  # a round twice as slow as measured: log-scale TRACK * log 2
-    assert c.seconds[5] == pytest.approx(40 * MS)
-    assert c.seconds[3] == pytest.approx(20 * MS * 2 ** TRACK)
-    c.observe_seconds(5, 20 * MS)  # its running mean: 40 + TRACK * (20 - 40)
-    assert c.seconds[5] == pytest.approx((40 - TRACK * 20) * MS)
-    assert c.seconds[0] == pytest.approx(5 * MS)
+    c.observe_seconds(5, 40 * MS)  # a round twice the table: it and the unobserved lengths move alike
+    assert c.seconds[5] == pytest.approx(20 * MS * 2 ** TRACK)
+    assert c.seconds[3] == pytest.approx(20 * MS * 2 ** TRACK) and c.seconds[0] == pytest.approx(10 * MS * 2 ** TRACK)
+    c.observe_seconds(5, 400 * MS)  # a hiccup ten times that: the estimate moves by STEP at most
+    assert c.seconds[5] == pytest.approx(20 * MS * 2 ** TRACK * STEP)
+    for _ in range(FORGET):  # decode steps at the table's time: the rounds' observations are forgotten
+        c.observe_seconds(0, 10 * MS)
+    assert c.seconds[0] == pytest.approx(10 * MS, rel=1e-3)
+    assert c.seconds[5] == pytest.approx(20 * MS) and c.seconds[3] == pytest.approx(20 * MS)
+
+
+def test_rounds_timed_in_a_busy_moment_do_not_keep_it_decoding():
+    """Decode 1 ms, a round of 15 proposals 3 ms by the table, and the draft always right. For
+    12 rounds the machine is busy (200 ms a round): it turns to decoding. Decode steps take
+    their usual 1 ms again; FORGET steps after the last round was timed its estimate is the
+    table's scaled by the recent observations (the decode steps: the table's own) again, so
+    it speculates again, and stays at it (but for a decode step timed every REFRESH rounds)."""
+    c = LengthController(_costs(lambda r: 2, decode=1, draft=1))
+    c.warm[:] = True  # (first calls at each length, which are not counted, made before)
+    busy, choices = 12, []
+    for _ in range(300):
+        k = c.choose(15)
+        choices.append(k)
+        c.observe_seconds(k, (200 if busy else 3) * MS if k else 1 * MS)
+        if k:
+            busy = max(0, busy - 1)
+            c.observe(k, k)
+        else:
+            c.observe(15, 15)  # what shadow drafts would report: every proposal right
+    assert choices[1:30].count(0) >= 10  # the busy rounds made it decode (and try other lengths)
+    assert set(choices[-40:]) == {0, 15} and choices[-40:].count(0) <= 40 // REFRESH  # it came back
+
+
+def test_the_first_call_at_a_length_is_not_counted():
+    c = LengthController(_costs(lambda r: 2, decode=1, draft=1))
+    c.observe_seconds(15, 500 * MS)
+    c.observe_seconds(0, 500 * MS)
+    assert c.seconds[15] == pytest.approx(3 * MS) and c.seconds[0] == pytest.approx(1 * MS)
+
+
+def test_a_draft_that_is_seldom_right_is_not_retried():
+    """A round of 15 costs 6 decode steps and the draft is never right: it decodes, and the
+    forgotten round estimates (the table's, which are right) never make a round look worth it."""
+    c = LengthController(_costs(lambda r: 5, decode=1, draft=1))
+    for _ in range(5):
+        c.observe(15, 0)
+    choices = []
+    for _ in range(200):
+        k = c.choose(15)
+        choices.append(k)
+        c.observe_seconds(k, (6 if k else 1) * MS)
+    assert set(choices) == {0}

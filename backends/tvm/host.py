@@ -1,7 +1,8 @@
 """The `tvm-llvm` run-time device: numpy byte buffers on the host, kernels called through
 the TVM runtime from the artifact's shared library. Each launch views its byte buffers as
 the flat typed tensors the PrimFunc declares (zero-copy, via DLPack), so memory planning,
-checks and states stay the runner's."""
+checks and states stay the runner's; the views of a launch (kernel, sizes, buffers) are made
+once and reused by every later token, as making them cost more than a small kernel runs."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import numpy as np
 from ..plan import compile_expr
 
 ALIGN = 64  # TVM's LLVM code may assume 64-byte aligned buffers
+MAX_CALLS = 4096  # launches whose typed views are kept (each keeps its buffers alive)
 
 # TVM's thread pool takes half the hardware threads on x86 (it assumes SMT siblings): one on
 # a 2-CPU machine. Every CPU this process may run on, as PoCL uses (read when the pool starts).
@@ -29,7 +31,7 @@ class HostDevice:
         self.module = tvm.runtime.load_module(str(library))
         self._specs = {name: ([(np.dtype(dtype), compile_expr(size)) for dtype, size in k["params"]], tuple(k["ints"]))
                        for name, k in kernels.items()}
-        self._funcs: dict[str, Any] = {}
+        self._calls: dict[tuple, tuple[Any, list]] = {}  # (kernel, ints, buffer addresses) -> (function, views)
 
     def alloc(self, nbytes: int) -> np.ndarray:
         raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
@@ -48,12 +50,15 @@ class HostDevice:
 
     def launch(self, kernel: str, groups, local, args) -> None:
         params, names = self._specs[kernel]
-        ints = [int(a) for a in args[len(params):]]
-        env = dict(zip(names, ints))
-        tensors = []
-        for (dtype, size), buf in zip(params, args):
-            n = size(env)
-            tensors.append(self._from_dlpack(buf[:n * dtype.itemsize].view(dtype)))
-        if kernel not in self._funcs:
-            self._funcs[kernel] = self.module[kernel]
-        self._funcs[kernel](*tensors, *ints)
+        ints = tuple(int(a) for a in args[len(params):])
+        key = (kernel, ints, *(buf.ctypes.data for buf in args[:len(params)]))
+        call = self._calls.get(key)
+        if call is None:  # a launch repeats every token: its typed views are made once
+            if len(self._calls) >= MAX_CALLS:  # new sizes (another context length): the old views go
+                self._calls.clear()
+            env = dict(zip(names, ints))
+            tensors = [self._from_dlpack(buf[:size(env) * dtype.itemsize].view(dtype))
+                       for (dtype, size), buf in zip(params, args)]
+            call = self._calls[key] = (self.module[kernel], tensors)
+        func, tensors = call
+        func(*tensors, *ints)

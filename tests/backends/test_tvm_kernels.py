@@ -71,3 +71,24 @@ def test_q8_0_products_on_llvm_take_the_hand_scheduled_nest():
         rows = dict(CASES[name].bindings)["T"]
         chosen.add(max(r for r, _ in PASSES if rows >= r))
     assert chosen == {r for r, _ in PASSES}
+
+
+def test_llvm_launch_views_are_made_once_per_launch_and_sizes(tvm, tmp_path):
+    """tvm-llvm keeps each launch's typed views (backends/tvm/host.py): a repeated call makes
+    none and computes the same; another token count makes views of its own sizes."""
+    import numpy as np
+
+    from kernel_cases import case_graph
+
+    c = CASES["matmul_q8_0_3_rows"].build()
+    graph = case_graph(c)
+    program = tvm.load(graph, tvm.compile(graph, tmp_path), tmp_path, lambda w: c.weights[w.tensor])
+    first = program.run(c.inputs, c.states).outputs
+    views = dict(program.device._calls)
+    again = program.run(c.inputs, c.states).outputs
+    assert program.device._calls == views
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    fewer = {k: v[:1] for k, v in c.inputs.items()}
+    one_row = program.run(fewer, c.states).outputs
+    assert len(program.device._calls) > len(views)
+    assert all(np.array_equal(one_row[k], first[k][:1]) for k in first)

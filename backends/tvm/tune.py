@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def tune(config: Mapping, kernels: Mapping[str, PrimKernel], until: float,
                 progress(f"tuning {name} at {rows or 'its'} rows ({TRIALS} trials)")
                 _store(path, _tune_one(config, kernels[name], rows))
                 runs += 1
-            record = json.loads(path.read_text())
+            record = _load(path)
             if record["script"]:
                 found.append(Tuned(name, rows or 0, record["script"], record))
     return found, runs
@@ -84,9 +85,19 @@ def tune(config: Mapping, kernels: Mapping[str, PrimKernel], until: float,
 
 def _store(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(record))
     partial.replace(path)
+
+
+def _load(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+        if isinstance(record, dict) and isinstance(record.get("script"), str):
+            return record
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    raise ValueError(f"{path}: not a dflash-ir tuning record (damaged?): delete it and tune again")
 
 
 def _tune_one(config: Mapping, kernel: PrimKernel, rows: int | None) -> dict:
@@ -119,8 +130,6 @@ def _tune_one(config: Mapping, kernel: PrimKernel, rows: int | None) -> dict:
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 

@@ -72,3 +72,17 @@ def test_tuning_records_are_written_reused_and_the_tuned_kernel_is_correct(tvm, 
     assert second.compile(graph, tmp_path / "b")["tuning"] == entry["tuning"]
     assert second.tuning_runs == 0
     compare(second, name, tmp_path / "c")
+
+
+def test_damaged_tuning_record_is_named(tvm, tmp_path, monkeypatch):
+    from dflash_ir.backends.tvm import tune
+    from dflash_ir.backends.tvm.build import host_llvm
+    from dflash_ir.backends.tvm.lowering import lower
+
+    monkeypatch.setenv("DFLASH_IR_TUNING_CACHE", str(tmp_path))
+    kernels = lower(case_graph(CASES["matmul_f32_1_rows"].build()))[1]
+    name = next(n for n, k in kernels.items() if tune.tunable(k))
+    damaged = tmp_path / f"{tune._key(host_llvm(), kernels[name], tune.ROWS[0])}.json"
+    damaged.write_text("{not json")
+    with pytest.raises(ValueError, match=f"{damaged}: not a dflash-ir tuning record"):
+        tune.tune(host_llvm(), kernels, 0.0)

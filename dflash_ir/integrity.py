@@ -19,8 +19,11 @@
   no user call can set back, so fast still catches a modification whose mtime was restored.
 
 Hashes catch corruption and edits; they do not stop someone who rewrites the manifest and
-its digest together, unless the digest is pinned. Kernels that a tampered plan sends past
-their buffers are the plan check's to refuse (backends), and Vulkan's checked mode.
+its digest together, unless the digest is pinned. A launch plan that would send a kernel
+past its buffers is refused at load by the runner's plan check (backends/launch_check.py:
+each launch against its kernel's contract and the memory plan; a contract rewritten with
+its launches gets through, a pinned digest does not), and Vulkan's checked mode keeps such
+a kernel inside its buffers.
 """
 from __future__ import annotations
 

@@ -115,7 +115,8 @@ def test_cli_compile_and_run(pair, tmp_path, capsys):
     assert run_cli.main(["--artifact", str(out), "-p", "hello", "-n", "8", "--ignore-eos",
                          "--stats-json", str(stats)]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("hello") and "tau (tokens/round incl. bonus)" in captured.err
+    # a random draft: the cost-aware length may decode every step (its shadow draft finds no agreement)
+    assert captured.out.startswith("hello") and "proposals verified per step (cost-aware)" in captured.err
     assert '"generated_tokens": 8' in stats.read_text()
     assert run_cli.main(["-m", str(pair[0]), "--backend", "numpy", "-p", "hi", "-n", "4", "--jinja", "--no-think"]) == 0
     assert "target-only" in capsys.readouterr().err

@@ -25,16 +25,18 @@ not beat decoding (`can_pay` is false), the engine never drafts.
 
 The costs measured at load are a starting point, not the truth: other work on the machine
 (or a cache measured under it) can leave them off by a factor, and off in ratio. The engine
-reports what each decode step and round really took; a round length's estimate becomes the
-running mean (of logarithms) of its own observations for FORGET steps after its last one;
-lengths not observed (lately) follow the measured table scaled by how far the rounds
-observed in the last FORGET steps stand from it (by nothing when none was). The first call at each length is not counted (it sets up
-buffers for its size), and one observation moves an estimate by at most STEP (a hiccup of
-the machine can take many times the usual). Speculating, the engine would
-never time a decode step again, so every REFRESH rounds without one a round decodes instead
-(the first step too): a table whose decode step is too dear cannot keep it speculating at
-a loss. Decoding, round estimates are forgotten FORGET steps after their last observation,
-so rounds timed in a busy moment cannot keep it decoding once the machine is quiet again.
+reports what each decode step and round really took. The first call at each length is not
+counted (it sets up buffers for its size); the next replaces the table's figure; later ones
+move the estimate by at most STEP each (a hiccup of the machine can take many times the
+usual), as a running mean of logarithms. A length's own observations count for FORGET steps
+after its last one; lengths not observed lately follow the measured table scaled by how far
+the rounds observed in the last FORGET steps stand from it (by nothing when none was).
+Speculating, the engine would never time a decode step again, so every REFRESH rounds
+without one a round decodes instead (the first step too): a table whose decode step is too
+dear cannot keep it speculating at a loss. Decoding, round estimates are forgotten FORGET
+steps after their last observation, so rounds timed in a busy moment cannot keep it
+decoding once the machine is quiet again. Shadow drafts are paid for from the estimated
+decode time, at the table's draft cost scaled as the rounds are.
 """
 from __future__ import annotations
 
@@ -84,10 +86,11 @@ class LengthController:
         if not self.warm[proposals]:
             self.warm[proposals] = True
             return
+        first = np.isnan(self.log_observed[proposals])
         estimate = np.log(self.seconds[proposals])
         if proposals:
             self.log_scale += _step(np.log(seconds / self.table[proposals]) - self.log_scale)
-        self.log_observed[proposals] = estimate + _step(np.log(seconds) - estimate)
+        self.log_observed[proposals] = np.log(seconds) if first else estimate + _step(np.log(seconds) - estimate)
         self.steps += 1
         self.last_seen[proposals] = self.steps
 
@@ -121,8 +124,9 @@ class LengthController:
     def decoding(self, idle: bool) -> bool:
         """Book a decode step; whether it also drafts in the shadow: when no shadow draft is
         being scored (`idle`) and the credit pays for a block."""
-        shadow = idle and self.credit >= self.costs.draft
-        self.credit += EXPLORE * self.costs.decode - (self.costs.draft if shadow else 0.0)
+        draft = self.costs.draft * np.exp(self.log_scale)  # the table's, scaled as the rounds are
+        shadow = idle and self.credit >= draft
+        self.credit += EXPLORE * self.seconds[0] - (draft if shadow else 0.0)
         return shadow
 
     def observe(self, proposed: int, accepted: int) -> None:

@@ -74,8 +74,12 @@ class LengthController:
     def seconds(self) -> np.ndarray:
         """Estimated seconds of a round verifying k = 0..B-1 proposals."""
         fresh = ~np.isnan(self.log_observed) & (self.steps - self.last_seen < FORGET)
-        scale = self.log_scale if self.steps - self.last_seen[1:].max() < FORGET else 0.0
-        return np.where(fresh, np.exp(np.where(fresh, self.log_observed, 0.0)), self.table * np.exp(scale))
+        return np.where(fresh, np.exp(np.where(fresh, self.log_observed, 0.0)), self.table * self.scale)
+
+    @property
+    def scale(self) -> float:
+        """How far the rounds of the last FORGET steps stand from the table (1 when none was timed)."""
+        return float(np.exp(self.log_scale)) if self.steps - self.last_seen[1:].max() < FORGET else 1.0
 
     def observe_seconds(self, proposals: int, seconds: float) -> None:
         """Record what a round verifying `proposals` proposals (0: a decode step) took."""
@@ -124,7 +128,7 @@ class LengthController:
     def decoding(self, idle: bool) -> bool:
         """Book a decode step; whether it also drafts in the shadow: when no shadow draft is
         being scored (`idle`) and the credit pays for a block."""
-        draft = self.costs.draft * np.exp(self.log_scale)  # the table's, scaled as the rounds are
+        draft = self.costs.draft * self.scale  # the table's, scaled as the rounds are
         shadow = idle and self.credit >= draft
         self.credit += EXPLORE * self.seconds[0] - (draft if shadow else 0.0)
         return shadow

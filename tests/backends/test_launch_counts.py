@@ -6,7 +6,9 @@ Every layer is five launches: norm + input projections (one fused_matmul), the l
 SwiGLU, down + residual. Five is the floor without a grid-wide barrier: each of those
 launches needs all outputs of the one before (a norm needs the whole row, a projection the
 whole core output). Beside the layers a token launches the embedding, the LM head with the
-final norm, the argmax and the concatenation of the tapped hidden states the draft reads."""
+final norm, the argmax and the concatenation of the tapped hidden states the draft reads.
+A prefill's attention layer is two launches: its new K/V rows into the caches, then the
+attention over them."""
 import pytest
 
 from dflash_ir.artifact import open_pair
@@ -16,6 +18,7 @@ from dflash_ir.benchmark.models import SMALL_SHAPE
 from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
 
 LAYERS = 16
+RECURRENT = 12  # Gated DeltaNet layers; the other four are attention layers
 PER_LAYER = 5
 
 
@@ -26,7 +29,7 @@ def graphs(tmp_path_factory):
     cfg = tiny_target_config("qwen35", **dict(SMALL_SHAPE, n_layer=LAYERS))
     write_target(d / "target.gguf", cfg, dtype="q8_0", seed=0)
     write_draft(d / "draft.gguf", tiny_draft_config(cfg, n_layer=1), target_cfg=cfg, dtype="q8_0", seed=1)
-    assert sum(cfg.layer_is_recurrent) == 12
+    assert sum(cfg.layer_is_recurrent) == RECURRENT
     return open_pair(d / "target.gguf", d / "draft.gguf", opt_level=2).graphs
 
 
@@ -48,3 +51,12 @@ def test_a_token_is_five_launches_per_layer(graphs, profile, name, rows):
     assert len(products) == (PER_LAYER - 1) * LAYERS + 1  # the LM head with its norm
     assert others == ["argmax", "concat", "embedding"]
     assert len(kernels) == PER_LAYER * LAYERS + 4
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_a_prefill_attention_layer_writes_its_rows_then_attends(graphs, profile):
+    kernels = launched(graphs["target.prefill"], profile, 64)
+    writes = [i for i, k in enumerate(kernels) if k.startswith("new_kv")]
+    attends = [i for i, k in enumerate(kernels) if k.startswith("fused_attention")]
+    assert len(writes) == len(attends) == LAYERS - RECURRENT
+    assert all(a == w + 1 for w, a in zip(writes, attends))

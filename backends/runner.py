@@ -4,13 +4,13 @@ Program split); binding, allocating the planned buffers, host checks and launch 
 
 Per call: symbols are bound from the input and state shapes, inputs and states are copied
 to the device, the steps launch in order, outputs are copied back. On a device that can copy
-between its buffers, states stay there: updated states come back as `DeviceArray`s (a
-contract type, dflash_ir/program.py: a DeviceProgram is a `Program`), which the runtime
+between its buffers, states stay there: updated states (and the per-row states a verify
+writes for rollback, graph meta "row_states") come back as `DeviceArray`s (a contract
+type, dflash_ir/program.py: a DeviceProgram is a `Program`), which the runtime indexes and
 passes back in, so a decode or verify round moves no state through the host; `np.asarray`
 reads one when asked. Outputs the caller names in `keep` stay on the device the same way
-(a verify's logits, tap features and the rows its commit replays: a greedy round reads
-none of them on the host), and any program whose device shares the memory
-(`Device.memory`) takes them as inputs.
+(a verify's logits and tap features: a greedy round reads neither), and any program whose
+device shares the memory (`Device.memory`) takes them as inputs.
 Weights are uploaded once (in the layout the kernels read: a packed copy where the plan
 asks for one, `plan.packs`), and steps that depend on weights only (e.g. dequantising a
 weight) run once at load; both are shared by every program of one load through `Resident`.
@@ -86,6 +86,7 @@ class DeviceProgram:
         self._check_plan({s: 1 for s in self._symbols})
         self._run_constant_steps(resident)
         self._keeps_states = callable(getattr(device, "copy", None))
+        self._row_states = {v for _, v in graph.meta_dict.get("row_states", ())}
 
     # -- load time ----------------------------------------------------------------------
     def _constant_keys(self, weights: WeightLoader) -> dict[str, tuple]:
@@ -278,7 +279,7 @@ class DeviceProgram:
                 self.device.download(buffers[self._root(name)], out)
             return out
 
-        outputs = {name: read(value, name in keep) for name, value in self.graph.outputs}
+        outputs = {name: read(value, name in self._row_states or name in keep) for name, value in self.graph.outputs}
         new_states = {s.value.name: read(s.update, True) for s in self.graph.states if s.update is not None}
         return RunResult(outputs, new_states, bindings)
 

@@ -29,9 +29,8 @@ from .serialize import YAML_DUMPER, GraphFormatError, dump_yaml, load_yaml
 
 FORMAT = "dflash-ir.artifact"
 FORMAT_VERSION = 5  # 2: target programs output their greedy ids; 3: the manifest's digest line;
-#                     4: launch plans carry their memory plan (slots, buffers); 5: recurrent states
-#                     rolled forward by a commit program, not picked from per-row verify states
-TARGET_PROGRAMS = ("prefill", "verify", "decode")  # and "commit" for targets with recurrent layers
+#                     4: launch plans carry their memory plan (slots, buffers); 5: and kernel contracts
+TARGET_PROGRAMS = ("prefill", "verify", "decode")
 DRAFT_PROGRAMS = ("inject", "block")
 DEFAULT_CTX = 4096
 DEFAULT_N_MAX = 15
@@ -88,8 +87,6 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
     tb = target_builder(tgt, tcfg)
     for kind in TARGET_PROGRAMS:
         pair.graphs[f"target.{kind}"] = tb.build(GraphSpec(kind, pair.taps, 1 if kind == "decode" else "T"))
-    if (commit := tb.commit()) is not None:
-        pair.graphs["target.commit"] = commit
     pair.graphs = {name: run_pipeline(g, level=opt_level, dump_dir=dump_dir, numerics=numerics)
                    for name, g in pair.graphs.items()}
     return pair
@@ -232,14 +229,13 @@ def _block_size(draft) -> int:
 
 def load_graphs(path: Path, manifest: dict) -> dict:
     """Every program's graph, parsed from the bytes whose sha256 was checked and verified;
-    the programs must be exactly those of the manifest's config (and a target's commit
-    program, which its verify program asks for by name)."""
+    the programs must be exactly those of the manifest's config."""
     from .verifier import VerifyError, verify
 
     contents = verified_files(path, manifest["files"])
     wanted = {f"target.{k}" for k in TARGET_PROGRAMS} | ({f"draft.{k}" for k in DRAFT_PROGRAMS}
                                                         if "draft" in manifest["config"] else set())
-    if not wanted <= set(manifest["programs"]) <= wanted | {"target.commit"}:
+    if set(manifest["programs"]) != wanted:
         raise ArtifactError(f"{path}: the manifest's programs are {sorted(manifest['programs'])}, "
                             f"expected {sorted(wanted)}; recompile the artifact")
     graphs = {}
@@ -253,11 +249,6 @@ def load_graphs(path: Path, manifest: dict) -> dict:
             graphs[name] = verify(load_yaml(contents[rel].decode("utf-8"), where))
         except (UnicodeDecodeError, strict_yaml.StrictYAMLError, GraphFormatError, VerifyError) as e:
             raise ArtifactError(f"{where}: not a valid graph: {e}") from None
-    replay = set(graphs["target.verify"].meta_dict.get("replay", ()))
-    replayed = {v.name for v in graphs["target.commit"].inputs} if "target.commit" in graphs else set()
-    if replay != replayed:
-        raise ArtifactError(f"{path}: program target.verify leaves {len(replay)} row inputs for a commit program to "
-                            f"replay, target.commit takes {len(replayed)} of them; recompile the artifact")
     return graphs
 
 

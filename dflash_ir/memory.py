@@ -49,7 +49,7 @@ def memory_need(graphs: Mapping[str, Graph], weight_bytes: Callable[[Weight], in
                 block_size: int) -> MemoryNeed:
     """What the programs `graphs` ('target.*', 'draft.*') need with this context and block."""
     rows = {"prefill": min(PREFILL_CHUNK, n_ctx), "verify": block_size, "decode": 1, "inject": min(PREFILL_CHUNK, n_ctx),
-            "block": block_size, "commit": block_size}
+            "block": block_size}
     weights = {(w.source, w.tensor): weight_bytes(w) for g in graphs.values() for w in g.weights}
     states = 0
     for role, capacity in (("target", n_ctx), ("draft", n_ctx + block_size)):

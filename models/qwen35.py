@@ -2,11 +2,8 @@
 shared decoder (models/transformer.py) with Gated DeltaNet layers between the attention
 layers and, for `qwen35moe`, a routed MoE with a shared expert as the FFN.
 
-Gated DeltaNet layers run chunked in prefill. A verify reads their states without changing
-them and outputs each row's inputs to them (the conv input and the raw alpha and beta
-projections); once the accepted rows are known, the commit program replays those rows on
-the states: one state read and write per layer, where keeping a state per verified row
-would write 16 (a layer's state is dk x dv per value head: 1 MB on the synthetic target).
+Gated DeltaNet layers run chunked in prefill and, in verify, emit per-row conv and
+recurrent states so the speculative loop can roll back to any row.
 
 GGUF conventions honoured here (QWEN35.md §4, §11, §14): norms carry the `+1` already
 (except `ssm_norm`), `ssm_a` is -exp(A_log), value heads are in tiled order, the query
@@ -17,14 +14,12 @@ from __future__ import annotations
 
 import math
 
-from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
-from dflash_ir.ir import Graph, Value
+from dflash_ir.ir import Value
 
 from .transformer import GraphSpec, TargetBuilder
 
 GDN_CHUNK = 64
-REPLAY = ("qkv", "alpha", "beta")  # a verify's per-row inputs to a Gated DeltaNet layer's states
 
 
 class Qwen35Builder(TargetBuilder):
@@ -40,33 +35,19 @@ class Qwen35Builder(TargetBuilder):
 
     def _gated_deltanet(self, b, i, x, spec: GraphSpec) -> Value:
         cfg = self.cfg
-        T, Hv, dv = x.type.shape[0], cfg.ssm_dt_rank, cfg.ssm_d_state
+        T = x.type.shape[0]
+        Hk, Hv, dk, dv = cfg.ssm_n_group, cfg.ssm_dt_rank, cfg.ssm_d_state, cfg.ssm_d_state
+        Kd, Vd, C, K = Hk * dk, Hv * dv, cfg.conv_channels, cfg.ssm_conv_kernel
         qkv = self._linear(b, x, f"blk.{i}.attn_qkv.weight")
         z = self._linear(b, x, f"blk.{i}.attn_gate.weight")
-        beta = self._linear(b, x, f"blk.{i}.ssm_beta.weight")
-        alpha = self._linear(b, x, f"blk.{i}.ssm_alpha.weight")
-        if spec.replays:
-            for name, value in zip(REPLAY, (qkv, alpha, beta)):
-                b.output(f"blk.{i}.replay.{name}", value)
-                b.meta.setdefault("replay", []).append(f"blk.{i}.replay.{name}")
-        o = self._recurrence(b, i, qkv, alpha, beta, chunked=spec.chunked, update=not spec.replays)
-        o = b.rmsnorm(o, self._w(b, f"blk.{i}.ssm_norm.weight"), eps=cfg.rms_eps)
-        o = b.mul(o, b.silu(b.reshape(z, shape=(T, Hv, dv))), name="gated")
-        return self._linear(b, b.reshape(o, shape=(T, Hv * dv)), f"blk.{i}.ssm_out.weight")
-
-    def _recurrence(self, b, i, qkv, alpha, beta, *, chunked: bool, update: bool) -> Value:
-        """Layer i's conv and delta rule over its states from the rows' projections; the
-        states updated when `update`. Returns the delta rule's output rows."""
-        cfg = self.cfg
-        T = qkv.type.shape[0]
-        Hk, Hv, dk, dv = cfg.ssm_n_group, cfg.ssm_dt_rank, cfg.ssm_d_state, cfg.ssm_d_state
-        Kd, C, K = Hk * dk, cfg.conv_channels, cfg.ssm_conv_kernel
-        beta = b.sigmoid(beta, name="beta")
-        alpha = b.add(alpha, self._w(b, f"blk.{i}.ssm_dt.bias"))
+        beta = b.sigmoid(self._linear(b, x, f"blk.{i}.ssm_beta.weight"), name="beta")
+        alpha = b.add(self._linear(b, x, f"blk.{i}.ssm_alpha.weight"), self._w(b, f"blk.{i}.ssm_dt.bias"))
         g = b.mul(b.softplus(alpha), self._w(b, f"blk.{i}.ssm_a"), name="log_decay")
 
         conv_state = b.state(f"blk.{i}.conv_state", DType.F32, (K - 1, C))
-        conv = b.causal_conv1d(qkv, self._w(b, f"blk.{i}.ssm_conv1d.weight"), conv_state, name="conv")
+        conv = b.causal_conv1d(qkv, self._w(b, f"blk.{i}.ssm_conv1d.weight"), conv_state,
+                               emit_row_states=spec.row_states, name="conv")
+        b.update_state(conv_state, conv[1])
         mixed = b.silu(conv[0])
         q = b.l2norm(b.reshape(b.slice(mixed, axis=1, start=0, stop=Kd), shape=(T, Hk, dk)), eps=cfg.rms_eps, name="q")
         k = b.l2norm(b.reshape(b.slice(mixed, axis=1, start=Kd, stop=2 * Kd), shape=(T, Hk, dk)), eps=cfg.rms_eps, name="k")
@@ -74,28 +55,16 @@ class Qwen35Builder(TargetBuilder):
 
         ssm_state = b.state(f"blk.{i}.ssm_state", DType.F32, (Hv, dk, dv))
         delta = b.gated_delta_rule(q, k, v, g, beta, ssm_state, scale=1.0 / math.sqrt(dk), head_map="tiled",
-                                   chunk_size=GDN_CHUNK if chunked else 0, name="delta")
-        if update:
-            b.update_state(conv_state, conv[1])
-            b.update_state(ssm_state, delta[1])
-        return delta[0]
-
-    def commit(self) -> Graph | None:
-        """The Gated DeltaNet layers' states brought forward by T rows of a verify, from its
-        replay outputs (same names): the recurrence exactly as a decode or verify runs it, so
-        the states equal those of decoding the rows one by one."""
-        cfg = self.cfg
-        layers = [i for i in range(cfg.n_layer) if cfg.layer_is_recurrent[i]]
-        if not layers:
-            return None
-        b = GraphBuilder(f"{cfg.arch}.commit")
-        b.meta.update(arch=cfg.arch, kind="commit")
-        widths = dict(zip(REPLAY, (cfg.conv_channels, cfg.ssm_dt_rank, cfg.ssm_dt_rank)))
-        for i in layers:
-            rows = [b.input(f"blk.{i}.replay.{name}", DType.F32, ("T", widths[name])) for name in REPLAY]
-            with b.scope(f"blk.{i}"):
-                self._recurrence(b, i, *rows, chunked=False, update=True)
-        return b.build()
+                                   chunk_size=GDN_CHUNK if spec.chunked else 0,
+                                   emit_row_states=spec.row_states, name="delta")
+        b.update_state(ssm_state, delta[1])
+        if spec.row_states:
+            for state, rows in ((conv_state, conv[2]), (ssm_state, delta[2])):
+                b.output(f"{state.name}.rows", rows)
+                b.meta.setdefault("row_states", []).append((state.name, f"{state.name}.rows"))
+        o = b.rmsnorm(delta[0], self._w(b, f"blk.{i}.ssm_norm.weight"), eps=cfg.rms_eps)
+        o = b.mul(o, b.silu(b.reshape(z, shape=(T, Hv, dv))), name="gated")
+        return self._linear(b, b.reshape(o, shape=(T, Vd)), f"blk.{i}.ssm_out.weight")
 
     def _moe(self, b, i, x) -> Value:
         """Softmax over all experts, top-k, renormalise; only selected experts are computed."""

@@ -3,8 +3,8 @@
 
 One builder serves every call shape the runtime needs:
 - prefill: T prompt rows (Gated DeltaNet in chunked form);
-- verify:  T rows on top of existing state (recurrent form; recurrent states are left as
-           they were and the rows' inputs to them output, for the commit program);
+- verify:  T rows on top of existing state (recurrent form, emitting per-row states so the
+           speculative loop can roll back to any row);
 - decode:  one row.
 Each returns logits for the rows listed in `logit_rows` (decode and verify: for all their
 rows, without a gather) and their argmax ids (`greedy`), the concatenated residual-stream outputs of the tap
@@ -44,9 +44,7 @@ class GraphSpec:
         return self.kind == "prefill"
 
     @property
-    def replays(self) -> bool:
-        """Recurrent states are left as they were, the rows' replay inputs output instead (a
-        verify: the commit program brings the states forward by the accepted rows)."""
+    def row_states(self) -> bool:
         return self.kind == "verify"
 
 
@@ -105,11 +103,6 @@ class TargetBuilder:
             ordered = [features[sorted(spec.taps).index(t)] for t in spec.taps]
             b.output("features", b.concat(*ordered, axis=1, name="features") if len(ordered) > 1 else ordered[0])
         return b.build()
-
-    def commit(self) -> Graph | None:
-        """The program that brings recurrent states forward by a verify's accepted rows, for
-        targets with recurrent layers (none here: attention rolls back by its kv_len alone)."""
-        return None
 
     # -- layers: subclasses replace the mixer or the FFN of some layers ------------------
     def _mixer(self, b, i, x, spec: GraphSpec, positions, pos, kv_len) -> Value:

@@ -26,12 +26,12 @@ from .target_runner import TargetRunner
 
 MEASURE_CONTEXT = 32  # committed tokens the costs are measured on top of (fewer in a small context)
 TIMED = 2             # timed calls per figure, after one untimed call
-_FORMAT = 4  # 3: calls timed in the order generation makes them; 4: a verify's cost has its commit
+_FORMAT = 3  # 3: calls timed in the order generation makes them
 
 
 @dataclass(frozen=True)
 class SpecCosts:
-    verify: tuple[float, ...]  # verify[k - 1]: seconds for a verify of k rows and its commit, k = 1..B
+    verify: tuple[float, ...]  # verify[k - 1]: seconds for a verify of k rows, k = 1..B
     decode: float              # seconds per target decode step
     draft: float               # seconds per draft block (inject one row + propose)
 
@@ -51,8 +51,7 @@ class SpecCosts:
 def measure_round_costs(target: TargetRunner, draft: DraftRunner) -> SpecCosts:
     """Times the calls in the order generation makes them, since a call after another program
     or size can cost several times a repeated one (PoCL): decode steps back to back, and for
-    each k a draft block followed by a verify of k rows and its commit (all k rows: the
-    commit replays them on the recurrent states), one untimed pair then TIMED pairs.
+    each k a draft block followed by a verify of k rows, one untimed pair then TIMED pairs.
     A figure is its fastest call (other work on the machine only ever adds time), the draft
     block's the median of all; a verify of k rows costs at most what a longer one costs (which
     removes what noise still adds). Leaves both runners reset."""
@@ -61,24 +60,19 @@ def measure_round_costs(target: TargetRunner, draft: DraftRunner) -> SpecCosts:
     if context < 1:
         raise ValueError(f"measuring costs needs a context of more than {B + TIMED + 1} tokens, this engine "
                          f"has {target.n_ctx}: compile with a larger one, or load with measure_costs=False")
-
-    def fresh():
-        """Both runners at the measuring context; the target's features (valid until the next prefill)."""
-        _reset(target, draft)
-        features = target.prefill(np.zeros(context, np.int32)).device_features
-        draft.inject(features)
-        return features
-
-    features = fresh()
+    _reset(target, draft)
+    features = target.prefill(np.zeros(context, np.int32)).device_features  # valid until the next prefill
+    draft.inject(features)
     decode = [_seconds(lambda: target.decode(0)) for _ in range(TIMED + 1)][1:]
     drafts, verify = [], []
     for k in range(1, B + 1):
         timed = []
         for _ in range(TIMED + 1):
-            if draft.ctx_len >= draft.n_ctx - 1 or target.n_past + k > target.n_ctx:
-                features = fresh()
+            if draft.ctx_len >= draft.n_ctx - 1:
+                draft.reset()
+                draft.inject(features)
             drafts.append(_seconds(lambda: (draft.inject(features[:1]), draft.propose(0))))
-            timed.append(_seconds(lambda: (target.verify(np.zeros(k, np.int32)), target.commit(k))))
+            timed.append(_seconds(lambda: target.verify(np.zeros(k, np.int32))))
         verify.append(min(timed[1:]))
     _reset(target, draft)
     verify = np.minimum.accumulate(verify[::-1])[::-1]

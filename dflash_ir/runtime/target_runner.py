@@ -2,11 +2,11 @@
 
 Rollback design: attention KV caches have a fixed capacity and a length (`n_past`); rows
 past it are ignored by attention and overwritten by the next write, so trimming attention
-is free. A verify leaves the Gated DeltaNet states as they were and outputs each row's
-inputs to them (models/qwen35.py); `commit(n)` runs the commit program on the first n of
-those rows, the recurrence exactly as decoding runs it, which reads and writes each
-layer's state once. Keeping every row's state instead would write T states per layer and
-verify (Qwen3.5-9B, T=16: 16 x 24 x 2.1 MB = 0.8 GB) to keep one of them.
+is free. The verify program writes per-row conv and recurrent states of every Gated
+DeltaNet layer; `commit(n)` keeps row n-1's. Memory for that is, per verify of T rows,
+T x (conv + recurrent state) per GDN layer (Qwen3.5-9B, T=16: 16 x 24 x 2.1 MB = 0.8 GB in
+f32); the alternative, checkpoint + replay, costs a second target pass on every partial
+acceptance.
 """
 from __future__ import annotations
 
@@ -51,13 +51,7 @@ class TargetRunner:
     def __init__(self, programs: Mapping[str, Program], n_ctx: int):
         self.programs = programs
         self.n_ctx = n_ctx
-        # a verify's outputs that the commit program replays on the recurrent states (same names)
-        self._replay = tuple(programs["verify"].graph.meta_dict.get("replay", ()))
-        replayed = {v.name for v in programs["commit"].graph.inputs} if "commit" in programs else set()
-        if replayed != set(self._replay):
-            raise ValueError(f"the verify program leaves {sorted(self._replay)} for a commit program to replay, the "
-                             f"commit program takes {sorted(replayed)}: the programs come from different compiles; "
-                             f"recompile")
+        self._row_state = dict(programs["verify"].graph.meta_dict.get("row_states", ()))
         self.reset()
 
     def reset(self) -> None:
@@ -79,7 +73,7 @@ class TargetRunner:
             "kv_len": np.int32(self.n_past + T),
             "logit_rows": np.asarray(logit_rows, np.int32),
         }
-        res = self.programs[kind].run(inputs, self.states, keep=_ON_DEVICE + self._replay)
+        res = self.programs[kind].run(inputs, self.states, keep=_ON_DEVICE)
         return TargetOutput(res.outputs["logits"], res.outputs["greedy"], res.outputs.get("features")), res
 
     def prefill(self, tokens, *, chunk: int = 512, all_logits: bool = False) -> TargetOutput:
@@ -127,10 +121,9 @@ class TargetRunner:
         if not 1 <= n_rows <= T:
             raise ValueError(f"commit of {n_rows} rows, verify had {T}")
         new = dict(self.states)
-        new.update(res.states)  # attention caches: rows past the committed ones lie beyond kv_len
-        if self._replay:
-            rows = {name: res.outputs[name][:n_rows] for name in self._replay}
-            new.update(self.programs["commit"].run(rows, new).states)
+        for name, value in res.states.items():
+            rows = self._row_state.get(name)
+            new[name] = res.outputs[rows][n_rows - 1] if rows else value
         self.states = new
         self.n_past += n_rows
         self._pending = None

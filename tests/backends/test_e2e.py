@@ -111,14 +111,11 @@ def test_greedy_rounds_move_only_token_ids_through_the_host(backend, tiny_pair, 
 
 
 def test_programs_of_one_model_share_weight_buffers(backend, tiny_pair, tmp_path):
-    """Prefill, verify and decode of one model read the same weights: uploaded once (and the
-    commit program's few, its recurrent layers' conv weights and gates, are theirs too)."""
+    """Prefill, verify and decode of one model read the same weights: uploaded once."""
     engine = _engine(backend, tiny_pair("qwen35", "f16")[0], None, tmp_path / "art", n_ctx=32)
     programs = engine.target.programs
-    buffers = {name: set(map(id, p._resident.values())) for name, p in programs.items()}
-    shared = set.intersection(*(buffers[k] for k in ("prefill", "verify", "decode")))
-    assert len(shared) >= len(programs["decode"].graph.weights) // 2
-    assert buffers["commit"] and buffers["commit"] <= buffers["decode"]
+    buffers = [set(map(id, p._resident.values())) for p in programs.values()]
+    assert len(set.intersection(*buffers)) >= len(programs["decode"].graph.weights) // 2
 
 
 @pytest.mark.oracle

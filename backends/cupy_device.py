@@ -33,8 +33,8 @@ class CupyDevice:
         return self._cupy.empty(nbytes, dtype=self._cupy.uint8)
 
     # synchronous copies on the legacy default stream, which the kernels are launched on too
-    def upload(self, buf, array: np.ndarray) -> None:
-        buf.data.copy_from_host(array.ctypes.data_as(ctypes.c_void_p), array.nbytes)
+    def upload(self, buf, array: np.ndarray, offset: int = 0) -> None:
+        buf[offset:].data.copy_from_host(array.ctypes.data_as(ctypes.c_void_p), array.nbytes)
 
     def download(self, buf, array: np.ndarray) -> None:
         buf.data.copy_to_host(array.ctypes.data_as(ctypes.c_void_p), array.nbytes)

@@ -103,8 +103,8 @@ class CLDevice:
     def alloc(self, nbytes: int):
         return self._cl.Buffer(self.ctx, self._cl.mem_flags.READ_WRITE, nbytes)
 
-    def upload(self, buf, array: np.ndarray) -> None:
-        self._cl.enqueue_copy(self.queue, buf, array)
+    def upload(self, buf, array: np.ndarray, offset: int = 0) -> None:
+        self._cl.enqueue_copy(self.queue, buf, array, dst_offset=offset)
 
     def download(self, buf, array: np.ndarray) -> None:
         self._cl.enqueue_copy(self.queue, array, buf)

@@ -36,6 +36,23 @@ from .kir.ir import Kernel
 
 # weight layouts a kernel may ask for: name -> storage bytes in that layout
 LAYOUTS = {"q8_0_cols16": pack_q8_0_cols16, "as_stored": np.ascontiguousarray}
+# rows of a matrix each layout packs together: a run of whole units packs on its own
+_ROW_UNIT = {"q8_0_cols16": COLS, "as_stored": 1}
+PART_BYTES = 8 << 20  # the most of a weight the runner reads and packs at once
+
+
+def layout_parts(storage: np.ndarray, layout: str, part_bytes: int = PART_BYTES):
+    """(part, its bytes in `layout`) for runs of whole row units of each matrix of `storage`,
+    in order: the packed parts one after another are the whole weight in `layout`. Loading a
+    weight part by part keeps what it costs the host to a part at a time, however large the
+    weight (a 1 GB embedding); an `as_stored` part is a view of `storage`, not a copy."""
+    matrices = storage.reshape(-1, *storage.shape[-2:]) if storage.ndim >= 2 else storage.reshape(1, 1, -1)
+    unit = _ROW_UNIT[layout]
+    step = max(1, part_bytes // (unit * matrices.shape[-1] * storage.itemsize)) * unit
+    for matrix in matrices:
+        for start in range(0, len(matrix), step):
+            part = matrix[start:start + step]
+            yield part, LAYOUTS[layout](part)
 
 
 def packed_bytes(types: Sequence[TensorType], layout: str) -> int:

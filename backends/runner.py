@@ -12,8 +12,10 @@ reads one when asked. Outputs the caller names in `keep` stay on the device the 
 (a verify's logits and tap features: a greedy round reads neither), and any program whose
 device shares the memory (`Device.memory`) takes them as inputs.
 Weights are uploaded once (in the layout the kernels read: a packed copy where the plan
-asks for one, `plan.packs`), and steps that depend on weights only (e.g. dequantising a
-weight) run once at load; both are shared by every program of one load through `Resident`.
+asks for one, `plan.packs`), a part at a time, each part's pages of the mapped GGUF released
+once it is on the device, so a load holds one copy of the weights (the device's), not two;
+steps that depend on weights only (e.g. dequantising a weight) run once at load; both are
+shared by every program of one load through `Resident`.
 Every other buffer of a call (inputs, states, activations, temporaries) is in a slot of the
 plan's memory plan (`plan.slots`, `plan.buffers`: passes/plan_memory.py, made when the graph
 was lowered): the slots are allocated per set of symbol values, exactly as planned, and kept
@@ -36,14 +38,14 @@ from dflash_ir.program import BindError, DeviceArray, RunResult, WeightLoader, c
 from dflash_ir.quant import storage_shape
 
 from .launch_check import check_plan
-from .plan import LAYOUTS, Check, Plan, compile_expr, symbol_param
+from .plan import Check, Plan, compile_expr, layout_parts, packed_bytes, symbol_param
 
 _PLANS_KEPT = 4  # buffer sets kept for distinct symbol values (prefill chunk sizes, T=1, T=16 ...)
 
 
 class Device(Protocol):
     def alloc(self, nbytes: int) -> Any: ...
-    def upload(self, buf: Any, array: np.ndarray) -> None: ...
+    def upload(self, buf: Any, array: np.ndarray, offset: int = 0) -> None: ...  # into buf from byte `offset`
     def download(self, buf: Any, array: np.ndarray) -> None: ...
     def launch(self, kernel: str, groups: tuple[int, ...], local: tuple[int, ...], args: list) -> None: ...
     # optional: `prepare(launches) -> replay`, a function that launches a resolved launch list
@@ -103,28 +105,38 @@ class DeviceProgram:
     def _weight(self, w, weights: WeightLoader, resident: Resident):
         """The device buffer of weight `w`, as the GGUF stores it."""
         key = self._resident_keys[w.value.name] = self._keys[w.value.name]
-        if key not in resident.buffers:
-            self._upload(resident, key, self._storage(w, weights))
-        return resident.buffers[key]
+        return self._upload(resident, key, (w,), weights, "as_stored")
 
     def _packed(self, name: str, ws: tuple, weights: WeightLoader, resident: Resident, layout: str):
         """The device buffer `name` of weights `ws` in `layout`, one after another (each
         packed on its own: a layout may pad a weight's rows)."""
         key = self._resident_keys[name] = (tuple(self._keys[w.value.name] for w in ws), layout)
+        return self._upload(resident, key, ws, weights, layout)
+
+    def _upload(self, resident: Resident, key: tuple, ws: tuple, weights: WeightLoader, layout: str):
+        """Weights `ws` in `layout` in one device buffer, made once per `resident`. They are
+        read, packed and uploaded a part at a time, and each part the loader can release
+        (a mapped file's pages, `release`: dflash_ir/program.py) is released once it is on
+        the device, so loading holds about one copy of the weights, not the file and the
+        device's copy."""
         if key not in resident.buffers:
-            packs = [LAYOUTS[layout](self._storage(w, weights)) for w in ws]
-            self._upload(resident, key, np.concatenate(packs) if len(packs) > 1 else packs[0])
+            nbytes = packed_bytes([w.value.type for w in ws], layout)
+            buf, offset, release = self.device.alloc(nbytes), 0, getattr(weights, "release", None)
+            for w in ws:
+                for part, packed in layout_parts(self._storage(w, weights), layout):
+                    self.device.upload(buf, packed, offset)
+                    offset += packed.nbytes
+                    if release is not None:
+                        release(w, part)
+            if offset != nbytes:
+                raise AssertionError(f"{self.graph.name}: {layout} packed {offset} bytes of {key}, planned {nbytes}")
+            resident.buffers[key], resident.nbytes[key] = buf, nbytes
         return resident.buffers[key]
 
     def _storage(self, w, weights: WeightLoader) -> np.ndarray:
         arr = np.ascontiguousarray(weights(w))
         check_weight(self.graph, w, arr)
         return arr
-
-    def _upload(self, resident: Resident, key: tuple, arr: np.ndarray) -> None:
-        resident.buffers[key] = self.device.alloc(arr.nbytes)
-        resident.nbytes[key] = arr.nbytes
-        self.device.upload(resident.buffers[key], arr)
 
     def _constant_bytes(self) -> dict[str, int]:
         """Bytes of the buffers that weight-only steps fill at load (sized by their values)."""

@@ -438,11 +438,12 @@ class VulkanDevice:
             self._staging = self._buffer(nbytes, "staging", mapped=True)
         return self._staging
 
-    def _copy_now(self, src: VulkanBuffer, dst: VulkanBuffer, nbytes: int) -> None:
+    def _copy_now(self, src: VulkanBuffer, dst: VulkanBuffer, nbytes: int, dst_offset: int = 0) -> None:
         v = self._vk
         cb = self._begin()
         with self._freed_on_error(cb):
-            v.vkCmdCopyBuffer(cb, src.handle, dst.handle, 1, [v.VkBufferCopy(srcOffset=0, dstOffset=0, size=nbytes)])
+            v.vkCmdCopyBuffer(cb, src.handle, dst.handle, 1,
+                              [v.VkBufferCopy(srcOffset=0, dstOffset=dst_offset, size=nbytes)])
             self._barrier(cb, v.VK_PIPELINE_STAGE_TRANSFER_BIT, v.VK_ACCESS_TRANSFER_WRITE_BIT,
                           v.VK_PIPELINE_STAGE_HOST_BIT | v.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
                           v.VK_ACCESS_HOST_READ_BIT | v.VK_ACCESS_SHADER_READ_BIT)
@@ -451,15 +452,17 @@ class VulkanDevice:
         v.vkFreeCommandBuffers(self.device, self._command_pool, 1, [cb])
 
     @_guarded
-    def upload(self, buf: VulkanBuffer, array: np.ndarray) -> None:
+    def upload(self, buf: VulkanBuffer, array: np.ndarray, offset: int = 0) -> None:
+        """Into `buf` from byte `offset`; a staged copy is rounded up to whole words (within
+        the buffer), so parts of one buffer are uploaded in order of their offsets."""
         data = np.require(array, requirements="C").reshape(-1).view(np.uint8)
         self.synchronize()
         if self.uses_staging:
             staging = self._staging_for(data.size)
             staging.mapped[:data.size] = data
-            self._copy_now(staging, buf, -(-data.size // 4) * 4)
+            self._copy_now(staging, buf, min(-(-data.size // 4) * 4, buf.nbytes - offset), offset)
         else:
-            buf.mapped[:data.size] = data
+            buf.mapped[offset:offset + data.size] = data
 
     @_guarded
     def download(self, buf: VulkanBuffer, array: np.ndarray) -> None:

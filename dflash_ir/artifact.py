@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -49,9 +49,48 @@ class ModelPair:
     def taps(self) -> tuple[int, ...]:
         return tuple(self.configs["draft"].tap_layers) if "draft" in self.configs else self.extra_taps
 
-    def weights(self, w):
-        """Weight loader for programs: storage of tensor `w.tensor` in the file of role `w.source`."""
+    def __post_init__(self):
+        self.weights = FileWeights(self.files)
+
+
+MIB = 1 << 20
+
+
+class FileWeights:
+    """Weight loader for programs (dflash_ir/program.py): storage of tensor `w.tensor` in the
+    file of role `w.source`, a view of the mapped GGUF; `release` drops a part a backend has
+    copied to its device from this process's memory. Given the graphs a load reads weights
+    for, it tells `progress` how far the load is at every tenth of their bytes (a large
+    model's weights are what takes a load its time)."""
+
+    def __init__(self, files: dict, *, graphs: Mapping[str, Any] = {},
+                 progress: Callable[[str], None] = lambda msg: None):
+        self.files = files  # role -> GGUFFile
+        self.progress = progress
+        self._sizes = {(w.source, w.tensor): files[w.source].tensors[w.tensor].n_bytes
+                       for g in graphs.values() for w in g.weights}
+        self._read: set[tuple[str, str]] = set()
+        self._done = self._tenths = 0
+
+    def __call__(self, w):
+        key = (w.source, w.tensor)
+        if key in self._sizes and key not in self._read:
+            self._read.add(key)
+            self._done += self._sizes[key]
+            total = sum(self._sizes.values())
+            if self._done * 10 // total > self._tenths:
+                self._tenths = self._done * 10 // total
+                self.progress(f"weights {self._done * 100 // total}%: {self._done / MIB:.1f} of {total / MIB:.1f} "
+                              f"MiB, {len(self._read)} of {len(self._sizes)} tensors")
         return self.files[w.source].raw(w.tensor)
+
+    def release(self, w, part) -> None:
+        self.files[w.source].release(part)
+
+
+def batched_verify(slots: int) -> str:
+    """The target program that verifies the blocks of `slots` sequences in one pass."""
+    return f"verify_s{slots}"
 
 
 def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
@@ -166,7 +205,7 @@ def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int 
         rel = f"graphs/{name}.yaml"
         (out / rel).write_text(dump_yaml(graph))
         programs[name] = {"graph": rel, "backend": be.compile(graph, out)}
-    progress("hashing sources")
+    progress(f"hashing the source GGUFs ({sum(f.size_bytes for f in pair.files.values()) / MIB:.0f} MiB)")
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -253,23 +292,25 @@ def load_graphs(path: Path, manifest: dict) -> dict:
 
 
 def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None, measure_costs: bool = True,
-                  digest: str | None = None, sources: str = "fast"):
+                  digest: str | None = None, sources: str = "fast", progress: Callable[[str], None] = lambda msg: None):
     """Verify an artifact and return a ready Engine; with a draft and `measure_costs`, the
     engine knows its round costs on this device (runtime/costs.py: measured once, cached).
     `digest` pins the artifact's root digest; `sources` is how the source GGUFs are checked,
-    "fast" or "strict" (dflash_ir/integrity.py)."""
+    "fast" or "strict" (dflash_ir/integrity.py); `progress` gets a line per stage, the
+    memory needed before anything is allocated, and the weights' upload every tenth."""
     from dflash_ir.backends.base import get_backend
     from dflash_ir.models.gguf_file import open_gguf
 
     path = Path(path)
+    progress(f"checking {path}")
     manifest = read_manifest(path, digest=digest)
     graphs = load_graphs(path, manifest)
     be = get_backend(manifest["backend"]["name"])
     be.require()
+    progress(f"checking the source GGUFs ({sources})")
     files = {role: open_gguf(check_source(role, entry, sources)) for role, entry in manifest["sources"].items()}
-
-    def weights(w):
-        return files[w.source].raw(w.tensor)
+    # the interpreter reads weights at its first call, not at load: its loads have no weight progress
+    weights = FileWeights(files, graphs=graphs, progress=progress if be.name != "numpy" else lambda msg: None)
 
     cfg = manifest["config"]
     if n_max is not None and "draft" in cfg and not 0 <= n_max < cfg["draft"]["block_size"]:
@@ -277,9 +318,11 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
                          f"{cfg['draft']['block_size']} (0: no drafting), got {n_max}")
     check_weights(graphs, files, str(path))
     check_fits(graphs, files, n_ctx=cfg["n_ctx"], block_size=_block_size(cfg.get("draft")),
-               dequantised=be.name == "numpy", where=str(path))
-    programs = {name: _load_program(be, name, graphs[name], entry["backend"], path, weights)
-                for name, entry in manifest["programs"].items()}
+               dequantised=be.name == "numpy", where=str(path), progress=progress)
+    programs = {}
+    for i, (name, entry) in enumerate(manifest["programs"].items(), 1):
+        progress(f"[{i}/{len(manifest['programs'])}] loading {name} on {be.name}")
+        programs[name] = _load_program(be, name, graphs[name], entry["backend"], path, weights)
     engine = make_engine(programs, n_ctx=cfg["n_ctx"], n_max=cfg["n_max"] if n_max is None else n_max,
                          draft_cfg=cfg.get("draft"),
                          target_meta=files["target"].metadata if load_tokenizer else None,
@@ -288,5 +331,6 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
     if measure_costs and engine.draft is not None:
         from dflash_ir.runtime.costs import artifact_costs
 
+        progress("measuring round costs on this device (once per artifact)")
         engine.costs = artifact_costs(engine, (path / "manifest.yaml").read_text(), be)
     return engine

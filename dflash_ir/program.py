@@ -10,7 +10,9 @@ can change its insides (launch plans, buffers, devices) without the runtime noti
 - `RunResult`: its outputs, updated states and the symbol values the call bound.
 - `WeightLoader`: how a program gets its weights, `(Weight) -> storage array` as
   quant.storage_shape lays it out (e.g. a view into a memory-mapped GGUF); `check_weight`
-  is the check both the interpreter and the device runner apply to what it returns.
+  is the check both the interpreter and the device runner apply to what it returns. A loader
+  may also have `release(weight, part)`: a backend that has copied `part` (a view of what
+  the loader returned) into its own buffer calls it, so a mapped file can drop those pages.
 - `BindError`: arrays passed to `run` do not match the graph's inputs or states.
 - `DeviceArray`: a state or kept output still in a device buffer. Backends that keep state
   on their device return these; the runtime takes rows of them, copies them between

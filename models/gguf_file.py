@@ -134,6 +134,22 @@ class GGUFFile:
         dtype = info.dtype.numpy().newbyteorder("<")
         return np.frombuffer(self._mm, dtype=dtype, count=math.prod(shape), offset=info.offset).reshape(shape)
 
+    def release(self, view: np.ndarray) -> None:
+        """Drop the pages under `view` (an array `raw` returned, or a part of one) from this
+        process's memory. A backend that has copied them to its device calls this so a model
+        is not held twice, as the mapped file and as the device's copy: the pages stay in the
+        kernel's page cache (reclaimable, not the process's) and are read from the file again
+        if the view is used again."""
+        if self._mm is None or view.nbytes == 0:
+            return
+        base = np.frombuffer(self._mm, np.uint8, count=1).ctypes.data
+        start = view.ctypes.data - base
+        if not 0 <= start <= start + view.nbytes <= len(self._mm):
+            raise ValueError(f"{self.path}: release() was given an array that is not a view of this file")
+        page = mmap.PAGESIZE  # whole pages: the ones shared with a neighbour are read again if needed
+        first, end = start // page * page, min(-(-(start + view.nbytes) // page) * page, len(self._mm))
+        self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+
     def dequantize(self, name: str) -> np.ndarray:
         """Float32 values of tensor `name` in its numpy shape."""
         return quant.dequantize(self.raw(name), self.tensor(name).dtype)

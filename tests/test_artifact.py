@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from dflash_ir import __version__, compile_pair, load_compiled
-from dflash_ir.artifact import open_engine
+from dflash_ir.artifact import open_engine, open_pair
+from dflash_ir.backends.base import get_backend
 from dflash_ir.cli import compile as compile_cli
 from dflash_ir.cli import run as run_cli
 from dflash_ir.errors import ArtifactError, ContextOverflowError
@@ -119,6 +120,31 @@ def test_cli_compile_and_run(pair, tmp_path, capsys):
     assert '"generated_tokens": 8' in stats.read_text()
     assert run_cli.main(["-m", str(pair[0]), "--backend", "numpy", "-p", "hi", "-n", "4", "--jinja", "--no-think"]) == 0
     assert "target-only" in capsys.readouterr().err
+
+
+def test_cli_prints_progress_unless_quiet(pair, tmp_path, capsys):
+    """dflash-compile and dflash-run say what they are doing, a line per stage, the memory
+    needed before it is allocated, and the weights' upload by tenths; --quiet: errors only."""
+    if get_backend("opencl").unavailable_reason():
+        pytest.skip(get_backend("opencl").unavailable_reason())
+    out = tmp_path / "art"
+    compile_args = [str(pair[0]), "-o", str(out), "-c", "64", "--backend", "opencl"]
+    assert compile_cli.main(compile_args) == 0
+    err = capsys.readouterr().err
+    for stage in ("reading", "memory needed: ", "[3/3] compiling target.decode", "hashing the source GGUFs", "done in"):
+        assert f"\ndflash-compile: {stage}" in "\n" + err, stage
+    run_args = ["--artifact", str(out), "-p", "hi", "-n", "2", "--ignore-eos"]
+    assert run_cli.main(run_args) == 0
+    err = capsys.readouterr().err
+    for stage in ("checking", "memory needed: ", "[1/3] loading target.prefill on opencl", "weights 100%: "):
+        assert f"\ndflash-run: {stage}" in "\n" + err, stage
+    weights = [line.split() for line in err.splitlines() if line.startswith("dflash-run: weights ")]
+    percents = [int(words[2].rstrip("%:")) for words in weights]
+    assert percents == sorted(set(percents)) and percents[-1] == 100
+    tensors = len({(w.source, w.tensor) for g in open_pair(pair[0]).graphs.values() for w in g.weights})
+    assert f"{tensors} of {tensors} tensors" in err
+    assert compile_cli.main([*compile_args, "--quiet"]) == 0 and run_cli.main([*run_args, "-q"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_reports_errors_without_tracebacks(pair, tmp_path, capsys):

@@ -38,8 +38,8 @@ class HostDevice:
         start = -raw.ctypes.data % ALIGN
         return raw[start:start + nbytes]
 
-    def upload(self, buf: np.ndarray, array: np.ndarray) -> None:
-        buf[:array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    def upload(self, buf: np.ndarray, array: np.ndarray, offset: int = 0) -> None:
+        buf[offset:offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
     def download(self, buf: np.ndarray, array: np.ndarray) -> None:
         array.reshape(-1).view(np.uint8)[:] = buf[:array.nbytes]

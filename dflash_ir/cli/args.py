@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import re
+import sys
 from typing import Callable
 
 _DIGEST = re.compile(r"[0-9a-f]{64}\Z")
@@ -45,6 +46,18 @@ def number(low: float, high: float | None = None, *, low_open: bool = False, hig
             raise argparse.ArgumentTypeError(f"must be a finite number in {ends}, got {text}")
         return value
     return parse
+
+
+def add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help="print no progress or statistics on stderr, only errors")
+
+
+def progress_printer(prog: str, quiet: bool) -> Callable[[str], None]:
+    """Where progress goes: a `prog: message` line on stderr per stage (compiling and
+    loading a large model take a while; the user sees what it is doing), none when quiet."""
+    if quiet:
+        return lambda msg: None
+    return lambda msg: print(f"{prog}: {msg}", file=sys.stderr, flush=True)
 
 
 def digest(text: str) -> str:

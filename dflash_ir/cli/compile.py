@@ -11,7 +11,7 @@ from dflash_ir.backends.toolchain import CompileError
 from dflash_ir.errors import DflashError
 from dflash_ir.models.checks import MAX_BLOCK_SIZE, MAX_POSITIONS
 
-from .args import integer
+from .args import add_quiet, integer, progress_printer
 
 TUNE_S = 600.0  # --tune without SECONDS
 
@@ -58,18 +58,20 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"tvm-llvm: tune the program's kernels with MetaSchedule for about SECONDS (default {TUNE_S:g}); "
                         "records are cached and reused by later compiles")
     add_compile_args(p)
+    add_quiet(p)
     args = p.parse_args(argv)
+    say = progress_printer("dflash-compile", args.quiet)
     t0 = time.perf_counter()
     try:
         out = compile_pair(args.target, args.draft, out=args.output, backend=resolve_backend(args.backend),
                            n_ctx=DEFAULT_CTX if args.ctx_size is None else args.ctx_size,
                            n_max=args.spec_draft_n_max, opt_level=args.opt_level,
                            numerics=args.numerics, dump_dir=args.dump_ir, tune_s=args.tune,
-                           progress=lambda msg: print(f"dflash-compile: {msg}", file=sys.stderr, flush=True))
+                           progress=say)
     except (DflashError, ValueError, OSError, BackendUnavailable, CompileError) as e:
         print(f"dflash-compile: error: {e}", file=sys.stderr)
         return 1
-    print(f"dflash-compile: done in {time.perf_counter() - t0:.1f}s -> {out}", file=sys.stderr)
+    say(f"done in {time.perf_counter() - t0:.1f}s -> {out}")
     return 0
 
 

@@ -15,7 +15,7 @@ from dflash_ir.errors import DflashError
 from dflash_ir.integrity import SOURCE_CHECKS
 from dflash_ir.runtime.sampling import SamplingParams
 
-from .args import argument_text, digest, file_text, integer, number
+from .args import add_quiet, argument_text, digest, file_text, integer, number, progress_printer
 from .compile import add_compile_args, resolve_backend
 
 
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-spec", action="store_true", help="target only (no draft), for comparison")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stats-json", help="write the generation stats to this JSON file")
+    add_quiet(p)
     return p
 
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dflash_ir.artifact import DEFAULT_CTX, compile_pair, load_compiled
 
+    say = progress_printer("dflash-run", args.quiet)
     try:
         prompt = file_text(args.file, "-f") if args.file is not None else argument_text(args.prompt, "-p")
         system = argument_text(args.system_prompt, "-sys") if args.system_prompt else None
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                          n_ctx=DEFAULT_CTX if args.ctx_size is None else args.ctx_size,
                          n_max=args.spec_draft_n_max, opt_level=args.opt_level,
                          numerics=args.numerics, dump_dir=args.dump_ir,
-                         progress=lambda msg: print(f"dflash-run: {msg}", file=sys.stderr, flush=True))
+                         progress=say)
         elif args.artifact:
             out = Path(args.artifact)
             if args.ctx_size is not None:
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print("dflash-run: error: give -m TARGET.gguf [-md DRAFT.gguf] or --artifact DIR", file=sys.stderr)
             return 2
         engine = load_compiled(out, n_max=args.spec_draft_n_max, digest=args.artifact_digest,
-                               sources=args.verify_sources)
+                               sources=args.verify_sources, progress=say)
         kw = dict(max_tokens=engine.n_ctx if args.n_predict == -1 else args.n_predict,
                   speculative=not args.no_spec and engine.draft is not None and engine.n_max > 0,
                   ignore_eos=args.ignore_eos,
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             print(piece, end="", flush=True)
         print()
         stats = engine.last_stats
-        print("\n" + stats.summary(), file=sys.stderr)
+        if not args.quiet:
+            print("\n" + stats.summary(), file=sys.stderr)
         if args.stats_json:
             Path(args.stats_json).write_text(json.dumps(stats.to_dict(), indent=2))
     except (DflashError, ValueError, OSError) as e:

@@ -26,7 +26,7 @@ class RecordingDevice:
     def alloc(self, nbytes):
         return bytearray(nbytes)
 
-    def upload(self, buf, array):
+    def upload(self, buf, array, offset=0):
         pass
 
     def download(self, buf, array):

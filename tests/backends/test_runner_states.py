@@ -24,9 +24,9 @@ class CountingDevice:
     def alloc(self, nbytes):
         return self.inner.alloc(nbytes)
 
-    def upload(self, buf, array):
+    def upload(self, buf, array, offset=0):
         self.uploaded += array.nbytes
-        self.inner.upload(buf, array)
+        self.inner.upload(buf, array, offset)
 
     def download(self, buf, array):
         self.downloaded += array.nbytes

@@ -194,7 +194,7 @@ class CountingDevice:
         self.allocs.append(nbytes)
         return object()
 
-    def upload(self, buf, array):
+    def upload(self, buf, array, offset=0):
         pass
 
     def download(self, buf, array):

@@ -283,8 +283,11 @@ class _Attention:
             with kb.loop("e", lid, dim(d), L) as e:
                 qs[e] = self.q_proj.element(kb, row, qstart, r, e)
             if self.persist:
-                with kb.if_(h.eq(kh * self.G)):
-                    self.write_rows(row, kh, lid, L)
+                # one work-item writes the row: with the work-group's lanes sharing it, PoCL 3.1's
+                # optimiser ran the store loop in idle lanes too (heads narrower than the group),
+                # writing into the next head's rows (test_fused_attention, D=32)
+                with kb.if_(h.eq(kh * self.G) & lid.eq(0)):
+                    self.write_rows(row, kh)
         m, l = kb.let("m", NEG_INF), kb.let("l", 0.0)
         acc = kb.array("acc", F32, per)
         with kb.loop("e", 0, per) as e:

@@ -48,6 +48,21 @@ def test_rollback_of_all_some_or_no_proposal_rows_keeps_greedy_output(backend, a
     """Drafts agreeing on 0 or 5 proposals per round: rounds of 7 roll back all or 2 proposal
     rows, rounds of 3 keep every row. Tokens equal the interpreter's target-only ones and the
     target's state equals what target-only decoding leaves (25 tokens: the first, then whole rounds)."""
+    _check_rollback(backend, agreeing_pair, arch, dtype, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["opencl", "vulkan"])
+def test_rollback_with_the_gpu_schedule_on_a_cpu_device(name, agreeing_pair, tmp_path, monkeypatch):
+    """The same on the kernels a GPU runs (work-groups sharing a row), here on PoCL and
+    lavapipe: it found PoCL running a head's cache-write loop in idle lanes."""
+    reason = get_backend(name).unavailable_reason()
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+    monkeypatch.setenv("DFLASH_IR_PROFILE", "gpu")
+    _check_rollback(name, agreeing_pair, "qwen35", "f16", tmp_path)
+
+
+def _check_rollback(backend, agreeing_pair, arch, dtype, tmp_path):
     for agree in (0, 5):
         target, draft = agreeing_pair(arch, agree, dtype)
         engine = _engine(backend, target, draft, tmp_path / f"art{agree}")

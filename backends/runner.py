@@ -18,8 +18,9 @@ steps that depend on weights only (e.g. dequantising a weight) run once at load;
 shared by every program of one load through `Resident`.
 Every other buffer of a call (inputs, states, activations, temporaries) is in a slot of the
 plan's memory plan (`plan.slots`, `plan.buffers`: passes/plan_memory.py, made when the graph
-was lowered): the slots are allocated per set of symbol values, exactly as planned, and kept
-for the next call with the same sizes, together with the call's launch list (kernels, grid
+was lowered): the slots are allocated per set of symbol values, exactly as planned (but for
+slots sized by the states' symbols alone, such as the states' own: one buffer for every set),
+and kept for the next call with the same sizes, together with the call's launch list (kernels, grid
 sizes, arguments all worked out): a decode or verify call with sizes seen before replays
 that list without evaluating a size expression.
 """
@@ -73,6 +74,9 @@ class DeviceProgram:
         self.values = graph.values()
         self._exprs: dict[str, Callable] = {}
         self._memory: OrderedDict[tuple, _Sized] = OrderedDict()
+        # symbols the states' shapes bind (the capacity C): the same in every call of a load
+        self._load_symbols = {d for s in graph.states for d in s.value.type.shape if isinstance(d, str)}
+        self._load_sized: dict[tuple[int, int], Any] = {}  # (slot, bytes) -> buffer, for every set of sizes
         self._root = lambda name: plan.aliases.get(name, name)
         self._keys = self._constant_keys(weights)
         self._resident_keys: dict[str, tuple] = {}
@@ -223,12 +227,25 @@ class DeviceProgram:
         if key in self._memory:
             self._memory.move_to_end(key)
             return self._memory[key]
-        slots = [self.device.alloc(slot_bytes(slot, bindings)) for slot in self.plan.slots]
+        slots = [self._slot_buffer(i, slot, bindings) for i, slot in enumerate(self.plan.slots)]
         sized = _Sized({**{name: slots[s] for name, s in self.plan.buffers.items()}, **self._resident})
         self._memory[key] = sized
         if len(self._memory) > _PLANS_KEPT:
             self._memory.popitem(last=False)
         return sized
+
+    def _slot_buffer(self, i: int, slot, bindings: Mapping[str, int]):
+        """A slot sized by the load's symbols alone (a state's, any slot of a fixed size) has
+        one buffer for every set of sizes: a program holds its states once, not once per
+        prefill chunk length and verify length it has run (each a full copy of the KV cache
+        and recurrent states). Sharing it across sizes keeps the contract: a program's
+        outputs and states are valid until the program runs again, whatever the sizes."""
+        nbytes = slot_bytes(slot, bindings)
+        if not set(slot[0]) <= self._load_symbols:
+            return self.device.alloc(nbytes)
+        if (i, nbytes) not in self._load_sized:
+            self._load_sized[i, nbytes] = self.device.alloc(nbytes)
+        return self._load_sized[i, nbytes]
 
     def _resolve(self, steps, buffers: Mapping[str, Any], env: dict[str, int]) -> list[tuple]:
         """(kernel, groups, local, args) of every launch `steps` make for these sizes."""

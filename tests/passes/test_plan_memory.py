@@ -220,8 +220,11 @@ def test_the_runner_allocates_exactly_the_plan_slots(tiny_models, lowered, model
                 assert len(device.allocs) == loaded, name
                 continue
             seen.append(bindings)
-            assert device.allocs[loaded:] == [slot_bytes(s, bindings) for s in plan.slots], name
-            assert sum(device.allocs[loaded:]) == memory(g, plan, bindings).allocated  # what the report prints
+            if len(seen) == 1:
+                assert device.allocs[loaded:] == [slot_bytes(s, bindings) for s in plan.slots], name
+                assert sum(device.allocs[loaded:]) == memory(g, plan, bindings).allocated  # what the report prints
+            else:  # new sizes: new buffers but for the slots sized by the capacity C alone (the states')
+                assert device.allocs[loaded:] == [slot_bytes(s, bindings) for s in plan.slots if set(s[0]) - {"C"}]
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])

@@ -80,6 +80,7 @@ class NodeCtxBase:
         self.node = node
         self.attr = node.attr
         self.profile = lowering.profile
+        self.kind = lowering.graph.meta_dict.get("kind")  # the graph's: verify, block, decode, prefill ...
         self.row_streams = lowering.row_streams
         self.ins: list[Value] = [lowering.values[x] for x in node.inputs]
         self.outs: list[Value] = list(node.outputs)

@@ -28,9 +28,13 @@ from .pair_checks import check_fits, check_text_processing, check_weights, resol
 from .serialize import YAML_DUMPER, GraphFormatError, dump_yaml, load_yaml
 
 FORMAT = "dflash-ir.artifact"
-FORMAT_VERSION = 5  # 2: target programs output their greedy ids; 3: the manifest's digest line;
-#                     4: launch plans carry their memory plan (slots, buffers); 5: and kernel contracts
+FORMAT_VERSION = 6  # 2: target programs output their greedy ids; 3: the manifest's digest line;
+#                     4: launch plans carry their memory plan (slots, buffers); 5: and kernel contracts;
+#                     6: batched verify programs (VERIFY_SLOTS) with a draft
 TARGET_PROGRAMS = ("prefill", "verify", "decode")
+# sequences whose blocks one batched verify takes (`target.verify_s<S>`, block-size rows each):
+# dflash-serve verifies its busy slots' blocks together in passes of these sizes
+VERIFY_SLOTS = (2, 4)
 DRAFT_PROGRAMS = ("inject", "block")
 DEFAULT_CTX = 4096
 DEFAULT_N_MAX = 15
@@ -126,6 +130,10 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
     tb = target_builder(tgt, tcfg)
     for kind in TARGET_PROGRAMS:
         pair.graphs[f"target.{kind}"] = tb.build(GraphSpec(kind, pair.taps, 1 if kind == "decode" else "T"))
+    if draft is not None:
+        for slots in VERIFY_SLOTS:
+            pair.graphs[f"target.{batched_verify(slots)}"] = tb.build(
+                GraphSpec("verify", pair.taps, pair.configs["draft"].block_size, slots=slots))
     pair.graphs = {name: run_pipeline(g, level=opt_level, dump_dir=dump_dir, numerics=numerics)
                    for name, g in pair.graphs.items()}
     return pair
@@ -272,8 +280,10 @@ def load_graphs(path: Path, manifest: dict) -> dict:
     from .verifier import VerifyError, verify
 
     contents = verified_files(path, manifest["files"])
-    wanted = {f"target.{k}" for k in TARGET_PROGRAMS} | ({f"draft.{k}" for k in DRAFT_PROGRAMS}
-                                                        if "draft" in manifest["config"] else set())
+    drafted = "draft" in manifest["config"]
+    wanted = ({f"target.{k}" for k in TARGET_PROGRAMS} |
+              ({f"draft.{k}" for k in DRAFT_PROGRAMS} | {f"target.{batched_verify(s)}" for s in VERIFY_SLOTS}
+               if drafted else set()))
     if set(manifest["programs"]) != wanted:
         raise ArtifactError(f"{path}: the manifest's programs are {sorted(manifest['programs'])}, "
                             f"expected {sorted(wanted)}; recompile the artifact")

@@ -68,7 +68,7 @@ def memory_need(graphs: Mapping[str, Graph], weight_bytes: Callable[[Weight], in
                 kind[role, s.value.name] = _nbytes(s.value, {"C": capacity})
     row_states = activations = 0
     for name, g in graphs.items():
-        t = rows[name.split(".", 1)[1]]
+        t = rows[g.meta_dict.get("kind", name.split(".", 1)[1])]  # a batched verify's rows are static
         bindings = {"C": n_ctx + block_size, "T": t, "R": t, "S": t}
         values, per_row = g.values(), {out for _, out in g.meta_dict.get("row_states", ())}
         for out, v in g.outputs:

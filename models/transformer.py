@@ -5,7 +5,12 @@ One builder serves every call shape the runtime needs:
 - prefill: T prompt rows (Gated DeltaNet in chunked form);
 - verify:  T rows on top of existing state (recurrent form, emitting per-row states so the
            speculative loop can roll back to any row);
-- decode:  one row.
+- decode:  one row;
+- a batched verify: the blocks of `slots` sequences, `rows` (an int) each, stacked in one
+  pass: embedding, projections, FFNs and the LM head run once over every row (one weight
+  read), while each sequence's attention and recurrence read and write its own state
+  (states and the position inputs named `s<j>.<name>` for sequence j, rows [j*rows,
+  (j+1)*rows) of the stacked values). A row's result does not depend on the other rows.
 Each returns logits for the rows listed in `logit_rows` (decode and verify: for all their
 rows, without a gather) and their argmax ids (`greedy`), the concatenated residual-stream outputs of the tap
 layers (DFlash features), and updates the explicit state: a fixed-capacity KV cache per
@@ -20,6 +25,8 @@ GGUF norms are plain RMSNorm weights (Qwen3.5's converter already added its `+1`
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,6 +45,7 @@ class GraphSpec:
     kind: str  # "prefill" | "verify" | "decode"
     taps: tuple[int, ...] = ()
     rows: int | str = "T"
+    slots: int = 1  # sequences verified together (a verify of an int row count each)
 
     @property
     def chunked(self) -> bool:
@@ -46,6 +54,30 @@ class GraphSpec:
     @property
     def row_states(self) -> bool:
         return self.kind == "verify"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One sequence of a graph: its rows of the stacked values ([start, stop), or all of
+    them when alone), its position inputs, and the prefix of its state names."""
+
+    prefix: str
+    start: int
+    stop: int | None
+    positions: Value
+    pos: Value
+    kv_len: Value
+
+    def rows(self, b: GraphBuilder, x: Value) -> Value:
+        """This sequence's rows of `x` (x itself when the graph has one sequence)."""
+        return x if self.stop is None else b.slice(x, axis=0, start=self.start, stop=self.stop)
+
+    def state(self, b: GraphBuilder, name: str, dtype: DType, shape) -> Value:
+        return b.state(self.prefix + name, dtype, shape)
+
+    def scope(self, b: GraphBuilder):
+        """Names of this sequence's values (unchanged when alone)."""
+        return b.scope(self.prefix.rstrip(".")) if self.prefix else contextlib.nullcontext()
 
 
 class TargetBuilder:
@@ -73,13 +105,14 @@ class TargetBuilder:
         for t in spec.taps:
             if not 0 <= t < cfg.n_layer:
                 raise ValueError(f"{self.gguf.path}: tap layer {t} is outside the target's {cfg.n_layer} layers")
-        b = GraphBuilder(f"{cfg.arch}.{spec.kind}")
-        b.meta.update(arch=cfg.arch, kind=spec.kind, taps=list(spec.taps))
-        T = spec.rows
+        S = spec.slots
+        if S > 1 and (spec.kind != "verify" or not isinstance(spec.rows, int)):
+            raise ValueError(f"{spec.slots} sequences in one graph need a verify of an int row count, got {spec}")
+        b = GraphBuilder(f"{cfg.arch}.{spec.kind}" + (f"_s{S}" if S > 1 else ""))
+        b.meta.update(arch=cfg.arch, kind=spec.kind, taps=list(spec.taps), **({"slots": S} if S > 1 else {}))
+        T = spec.rows if S == 1 else S * spec.rows
         tokens = b.input("tokens", DType.I32, (T,))
-        positions = b.input("positions", DType.I32, (T,))
-        pos = b.input("pos", DType.I32, ())
-        kv_len = b.input("kv_len", DType.I32, ())
+        slots = [self._slot(b, j, spec.rows, batched=S > 1) for j in range(S)]
         logit_rows = None if spec.kind in ("decode", "verify") else b.input("logit_rows", DType.I32, ("R",))
 
         h = b.embedding(self._w(b, "token_embd.weight"), tokens, name="embd")
@@ -87,7 +120,7 @@ class TargetBuilder:
         for i in range(cfg.n_layer):
             with b.scope(f"blk.{i}"):
                 x = b.rmsnorm(h, self._w(b, f"blk.{i}.attn_norm.weight"), eps=cfg.rms_eps)
-                h = b.add(h, self._mixer(b, i, x, spec, positions, pos, kv_len), name="resid_attn")
+                h = b.add(h, self._mixer(b, i, x, spec, slots), name="resid_attn")
                 x = b.rmsnorm(h, self._w(b, f"blk.{i}.{cfg.ffn_norm}.weight"), eps=cfg.rms_eps)
                 h = b.add(h, self._ffn(b, i, x), name="resid_ffn")
             if i in spec.taps:
@@ -104,21 +137,50 @@ class TargetBuilder:
             b.output("features", b.concat(*ordered, axis=1, name="features") if len(ordered) > 1 else ordered[0])
         return b.build()
 
+    @staticmethod
+    def _slot(b: GraphBuilder, j: int, rows: int | str, batched: bool) -> Slot:
+        """Sequence j's inputs, of `rows` rows; alone (not `batched`) all rows are its own."""
+        prefix = f"s{j}." if batched else ""
+        return Slot(prefix, j * rows if batched else 0, (j + 1) * rows if batched else None,
+                    b.input(f"{prefix}positions", DType.I32, (rows,)), b.input(f"{prefix}pos", DType.I32, ()),
+                    b.input(f"{prefix}kv_len", DType.I32, ()))
+
+    def _per_sequence(self, b: GraphBuilder, i: int, x: Value, slots: list[Slot], body, out: str) -> Value:
+        """A mixer: `body(slot, rows)` for each sequence, where `rows(name)` is the sequence's
+        rows of x times layer i's weight `name` (each product made once, over every row, where
+        the first sequence reads it: a lone sequence's graph has its nodes in the order it
+        reads them); the results stacked back into rows and projected by weight `out`."""
+        project = functools.cache(lambda name: self._linear(b, x, f"blk.{i}.{name}.weight"))
+        parts = []
+        for slot in slots:
+            with slot.scope(b):
+                parts.append(body(slot, lambda name: slot.rows(b, project(name))))
+        stacked = parts[0] if len(parts) == 1 else b.concat(*parts, axis=0, name=f"{out}.rows")
+        return self._linear(b, stacked, f"blk.{i}.{out}.weight")
+
     # -- layers: subclasses replace the mixer or the FFN of some layers ------------------
-    def _mixer(self, b, i, x, spec: GraphSpec, positions, pos, kv_len) -> Value:
-        return self._attention(b, i, x, positions, pos, kv_len)
+    def _mixer(self, b, i, x, spec: GraphSpec, slots: list[Slot]) -> Value:
+        return self._attention(b, i, x, slots)
 
     def _ffn(self, b, i, x) -> Value:
         return self._swiglu(b, x, f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight", f"blk.{i}.ffn_down.weight")
 
-    def _attention(self, b, i, x, positions, pos, kv_len) -> Value:
+    def _attention(self, b, i, x, slots: list[Slot]) -> Value:
+        """Each sequence's rows attend over its own KV cache."""
+        return self._per_sequence(b, i, x, slots, lambda slot, rows: self._attend(b, i, slot, rows),
+                                  "attn_output")
+
+    def _attend(self, b, i, slot: Slot, rows) -> Value:
         cfg = self.cfg
-        T, H, Hkv, D = x.type.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        q = b.reshape(self._linear(b, x, f"blk.{i}.attn_q.weight"), shape=(T, H, 2 * D if cfg.gated_attention else D))
+        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        qs = rows("attn_q")
+        T = qs.type.shape[0]
+        q = b.reshape(qs, shape=(T, H, 2 * D if cfg.gated_attention else D))
         if cfg.gated_attention:
-            q, gate = b.slice(q, axis=2, start=0, stop=D, name="q"), b.slice(q, axis=2, start=D, stop=2 * D, name="gate")
-        k = b.reshape(self._linear(b, x, f"blk.{i}.attn_k.weight"), shape=(T, Hkv, D))
-        v = b.reshape(self._linear(b, x, f"blk.{i}.attn_v.weight"), shape=(T, Hkv, D))
+            q, gate = (b.slice(q, axis=2, start=0, stop=D, name="q"),
+                       b.slice(q, axis=2, start=D, stop=2 * D, name="gate"))
+        k = b.reshape(rows("attn_k"), shape=(T, Hkv, D))
+        v = b.reshape(rows("attn_v"), shape=(T, Hkv, D))
         if cfg.permuted_qk:
             q, k = _rotate_half_order(b, q, "q"), _rotate_half_order(b, k, "k")
         if cfg.qk_norm:
@@ -127,18 +189,19 @@ class TargetBuilder:
         rope = dict(n_rot=cfg.n_rot, theta=cfg.rope_theta)
         if cfg.is_hybrid:
             rope.update(sections=tuple(cfg.rope_sections), interleaved=True)
-        q = b.rope(q, positions, **rope)
-        k = b.rope(k, positions, **rope)
-        k_cache = b.state(f"blk.{i}.k_cache", DType.F32, ("C", Hkv, D))
-        v_cache = b.state(f"blk.{i}.v_cache", DType.F32, ("C", Hkv, D))
-        k_all = b.kv_write(k_cache, k, pos, name="k_cache.new")
-        v_all = b.kv_write(v_cache, v, pos, name="v_cache.new")
+        q = b.rope(q, slot.positions, **rope)
+        k = b.rope(k, slot.positions, **rope)
+        k_cache = slot.state(b, f"blk.{i}.k_cache", DType.F32, ("C", Hkv, D))
+        v_cache = slot.state(b, f"blk.{i}.v_cache", DType.F32, ("C", Hkv, D))
+        k_all = b.kv_write(k_cache, k, slot.pos, name="k_cache.new")
+        v_all = b.kv_write(v_cache, v, slot.pos, name="v_cache.new")
         b.update_state(k_cache, k_all)
         b.update_state(v_cache, v_all)
-        o = b.reshape(b.attention(q, k_all, v_all, kv_len, scale=1.0 / math.sqrt(D), causal=True), shape=(T, H * D))
+        o = b.reshape(b.attention(q, k_all, v_all, slot.kv_len, scale=1.0 / math.sqrt(D), causal=True),
+                      shape=(T, H * D))
         if cfg.gated_attention:
             o = b.mul(o, b.sigmoid(b.reshape(gate, shape=(T, H * D))), name="gated")
-        return self._linear(b, o, f"blk.{i}.attn_output.weight")
+        return o
 
     def _swiglu(self, b, x, gate: str, up: str, down: str) -> Value:
         h = b.mul(b.silu(self._linear(b, x, gate)), self._linear(b, x, up), name="swiglu")

@@ -3,8 +3,9 @@ F16 or any block type (matmul_q8_0, matmul_q4_k, ...: ops/specialised.py OPS).
 
 The specialised op reads the weight as stored (block types through their decoder,
 dflash_ir/blocks.py), so no f32 copy of a weight is ever made. Its attrs fix the kernel: `form` is "gemv" for a few rows (a static row
-count <= 16, or symbolic rows in a verify, draft block or decode graph, whose rows are at
-most a speculative block) and "gemm" otherwise; K and N are baked in; `layout` names the
+count <= 16, or any rows of a verify, draft block or decode graph, whose rows are at most a
+speculative block per sequence: a batched verify's stacked blocks take the GEMV too, so a
+row's sums are the ones it gets in a lone verify) and "gemm" otherwise; K and N are baked in; `layout` names the
 weight layout a backend packs. Quantised activations are a separate pass
 (quantize_activations, the `q8` numerics mode).
 """
@@ -20,10 +21,10 @@ GEMV_KINDS = ("verify", "block", "decode")
 
 
 def form(x_shape, kind: str | None) -> str:
+    if kind in GEMV_KINDS:  # a batched verify's stacked blocks too: a row sums as it would alone
+        return "gemv"
     rows = x_shape[:-1]
-    if all(isinstance(d, int) for d in rows):
-        return "gemv" if math.prod(rows) <= GEMV_ROWS else "gemm"
-    return "gemv" if kind in GEMV_KINDS else "gemm"
+    return "gemv" if all(isinstance(d, int) for d in rows) and math.prod(rows) <= GEMV_ROWS else "gemm"
 
 
 def _specialise(m, emit):

@@ -39,7 +39,8 @@ def _copy(artifact, tmp_path):
 def test_compile_writes_a_manifest_that_pins_everything(artifact, pair):
     m = yaml.safe_load((artifact / "manifest.yaml").read_text())
     assert m["dflash_ir_version"] == __version__ and m["backend"]["name"] == "numpy"
-    assert set(m["programs"]) == {"target.prefill", "target.verify", "target.decode", "draft.inject", "draft.block"}
+    assert set(m["programs"]) == {"target.prefill", "target.verify", "target.decode", "target.verify_s2",
+                                  "target.verify_s4", "draft.inject", "draft.block"}
     assert m["sources"]["target"]["size"] == pair[0].stat().st_size and len(m["sources"]["draft"]["sha256"]) == 64
     assert set(m["files"]) == {f"graphs/{name}.yaml" for name in m["programs"]}
     assert m["config"]["n_ctx"] == 64  # taps are HF layer ids: llama.cpp's stored ids minus one

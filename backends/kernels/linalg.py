@@ -16,6 +16,7 @@ from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.ops.specialised import OPS
+from dflash_ir.passes.specialise_matmul import GEMV_KINDS
 from dflash_ir.types import Dim
 
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, maximum, minimum, select, vsum
@@ -298,7 +299,9 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list,
     rowwise = ctx.profile == "cpu"
     w_value = weights[0] if len(weights) == 1 else ctx.packed(weights, "as_stored")
     fixed = M.arg if M.op == "const" else None
-    form = ctx.attr.get("form")
+    # a plain (f32) product of a verify, draft block or decode graph takes the GEMV as the
+    # specialised ones do (passes/specialise_matmul.form): a batched verify's rows sum alike
+    form = ctx.attr.get("form") or ("gemv" if fixed is not None and ctx.kind in GEMV_KINDS else None)
     gemv = form == "gemv" if form else fixed is None or fixed <= GEMV_ROWS
     gemm = form == "gemm" if form else fixed is None or fixed > GEMV_ROWS
 

@@ -7,6 +7,9 @@ results.md and PNG plots to --out.
     dflash-bench --suites kernels -b opencl       one suite on one backend
     dflash-bench --suites tau -b opencl --models synthetic --taus 1,6,16
                                                   speculative tokens/s at chosen acceptance lengths
+    dflash-bench --suites serve -b opencl --models demo
+                                                  dflash-serve's aggregate tokens/s, 1/2/4 clients,
+                                                  verify blocks batched or not
     dflash-bench --quick                          small shapes and models: a smoke run
 """
 from __future__ import annotations
@@ -30,11 +33,12 @@ from . import kernels as kernel_suite
 from . import limits as limit_suite
 from . import models as model_suite
 from . import peer as peer_suite
+from . import serve as serve_suite
 from . import tau as tau_suite
 from .measure import time_calls
 from .report import Results, write_all
 
-SUITES = ("limits", "kernels", "e2e", "tau", "peer")
+SUITES = ("limits", "kernels", "e2e", "tau", "serve", "peer")
 MODELS = ("demo", "synthetic")
 
 
@@ -181,6 +185,18 @@ class Bench:
                              f"15 proposals {p.fixed_tps:7.1f} ({p.fixed_speedup:.2f}x)  cost-aware "
                              f"{p.adaptive_tps:7.1f} ({p.adaptive_speedup:.2f}x)  lengths {p.lengths}")
 
+    def serve(self, backends, models) -> None:
+        self.say("\n== serve: concurrent requests, verify blocks batched or one pass each ==")
+        for m in models:
+            for b in backends:
+                points = self.attempt(f"serve/{b.name}/{m.name}", lambda b=b: serve_suite.run_serve(
+                    b.name, m, self.work / "e2e", max_tokens=self.args.max_tokens, repeats=1 if self.args.quick else 3))
+                for p in points or ():
+                    self.results.serve.append(p.to_dict())
+                    mode = "batched" if p.batched else "one by one"
+                    self.say(f"  {m.name:10s} {b.name:10s} {p.clients} clients {mode:10s} {p.tps:8.1f} tok/s  "
+                             f"({p.verify_passes} verify passes for {p.verified_blocks} blocks)")
+
     def peer(self, models) -> None:
         self.say("\n== peer: llama.cpp ==")
         reason = peer_suite.peer_unavailable()
@@ -219,12 +235,14 @@ class Bench:
             self.limits(backends)
         if "kernels" in suites:
             self.kernels(backends)
-        if {"e2e", "tau", "peer"} & set(suites):
+        if {"e2e", "tau", "serve", "peer"} & set(suites):
             models = self.models()
             if "e2e" in suites:
                 self.end_to_end(backends, models)
             if "tau" in suites:
                 self.tau_sweep(backends, models)
+            if "serve" in suites:
+                self.serve(backends, models)
             if "peer" in suites:
                 self.peer(models)
         return self.results

@@ -18,6 +18,7 @@ class Results:
     e2e: list[dict[str, Any]] = field(default_factory=list)
     costs: list[dict[str, Any]] = field(default_factory=list)  # measured round costs per backend and model
     tau: list[dict[str, Any]] = field(default_factory=list)    # the scripted-draft sweep
+    serve: list[dict[str, Any]] = field(default_factory=list)  # dflash-serve's scheduler, batched or not
     peer: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, str]] = field(default_factory=list)
 
@@ -88,6 +89,14 @@ def markdown(r: Results) -> str:
                        [[t["model"], t["backend"], t["tau"], t["tokens"], f"{t['decode_tps']:.1f}",
                          f"{t['fixed_speedup']:.2f}x", f"{t['adaptive_speedup']:.2f}x", t["lengths"]]
                         for t in r.tau]), ""]
+    if r.serve:
+        out += ["## dflash-serve: concurrent requests", "", "Aggregate tokens/s of 1, 2 and 4 requests at once "
+                "through the server's scheduler (one slot each, n_max proposals every round), the busy slots' "
+                "verify blocks in one batched target pass or each in a pass of its own.", "",
+                _table(["model", "backend", "clients", "verify", "tokens", "tok/s", "verify passes / blocks"],
+                       [[p["model"], p["backend"], p["clients"], "batched" if p["batched"] else "one by one",
+                         p["tokens"], f"{p['tps']:.1f}", f"{p['verify_passes']} / {p['verified_blocks']}"]
+                        for p in r.serve]), ""]
     if r.failures:
         out += ["## Failures", ""] + [f"- {f['where']}: {f['error']}" for f in r.failures] + [""]
     return "\n".join(out)

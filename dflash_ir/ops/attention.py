@@ -62,7 +62,10 @@ def visible_keys(n_queries: int, kv_len: int, causal: bool, window: int) -> np.n
 @defop("attention", _attention_rule)
 def attention(q, k, v, kv_len, *, scale, causal=True, window=0):
     """softmax(q kᵀ · scale + mask) v over the first kv_len cache rows, f32 with max
-    subtraction. GQA: q head h reads kv head h // (Hq/Hkv)."""
+    subtraction. GQA: q head h reads kv head h // (Hq/Hkv). Each query row is computed over
+    its visible keys only (one contiguous run), so its result depends neither on the rows
+    beside it nor on masked keys past it (numpy's sums group their terms by length): a
+    verify block alone and the same block padded in a batched verify agree bit for bit."""
     n_queries, n_heads, _ = q.shape
     n = int(kv_len)
     if not 0 < n <= k.shape[0]:
@@ -72,11 +75,15 @@ def attention(q, k, v, kv_len, *, scale, causal=True, window=0):
     kv_head = np.arange(n_heads) // (n_heads // k.shape[1])
     keys = k[:n, kv_head].transpose(1, 2, 0)          # [Hq, D, n]
     values = v[:n, kv_head].transpose(1, 0, 2)        # [Hq, n, Dv]
-    scores = (q.transpose(1, 0, 2) @ keys) * F32(scale)  # [Hq, T, n]
-    scores = np.where(visible_keys(n_queries, n, causal, window), scores, F32(-np.inf))
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return (weights @ values).transpose(1, 0, 2).astype(F32)
+    out = np.empty((n_queries, n_heads, values.shape[2]), F32)
+    for t, visible in enumerate(visible_keys(n_queries, n, causal, window)):
+        run = np.flatnonzero(visible)
+        lo, hi = run[0], run[-1] + 1
+        scores = (q[t][:, None, :] @ keys[:, :, lo:hi]) * F32(scale)  # [Hq, 1, visible]
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out[t] = (weights @ values[:, lo:hi])[:, 0]
+    return out
 
 
 def _kv_write_rule(cache: TensorType, new: TensorType, pos: TensorType) -> TensorType:

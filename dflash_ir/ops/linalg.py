@@ -26,6 +26,7 @@ _STORAGE_DTYPES = {d.numpy(): d for d in WEIGHT_DTYPES}
 
 # rows of a weight dequantised at a time by `matmul`: bounds the f32 copy to ~64 MiB
 _CHUNK_ELEMENTS = 1 << 24
+X_ROWS = 16  # rows of x per BLAS product in `matmul`
 
 
 def storage_dtype(storage: np.ndarray) -> DType:
@@ -92,14 +93,28 @@ def _matmul_rule(x: TensorType, w: TensorType) -> TensorType:
 
 @defop("matmul", _matmul_rule)
 def matmul(x, w):
-    """x @ wᵀ (PyTorch Linear layout w[N, K]); w is dequantised in row chunks."""
-    n = w.shape[0]
-    k = x.shape[-1]
+    """x @ wᵀ (PyTorch Linear layout w[N, K]); w is dequantised in row chunks. x's rows go
+    through BLAS X_ROWS at a time (the last group zero-padded): BLAS picks its kernel, and
+    so the order of a row's sums, by the shape, so one shape keeps a row's result independent
+    of the rows beside it (a verify block alone or stacked with others, padded or not)."""
+    n, k = w.shape[0], x.shape[-1]
     rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
-    out = np.empty(x.shape[:-1] + (n,), dtype=F32)
+    flat = x.reshape(-1, k)
+    out = np.empty((len(flat), n), dtype=F32)
     for start in range(0, n, rows):
-        out[..., start:start + rows] = x @ as_f32(w[start:start + rows]).T
-    return out
+        out[:, start:start + rows] = _row_groups_product(flat, as_f32(w[start:start + rows]))
+    return out.reshape(x.shape[:-1] + (n,))
+
+
+def _row_groups_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x[M, K] @ w[N, K]ᵀ as BLAS products of exactly X_ROWS rows of x (see `matmul`)."""
+    m = len(x)
+    padded = np.zeros((-(-m // X_ROWS) * X_ROWS, x.shape[1]), F32)
+    padded[:m] = x
+    out = np.empty((len(padded), len(w)), dtype=F32)
+    for r in range(0, len(padded), X_ROWS):
+        out[r:r + X_ROWS] = padded[r:r + X_ROWS] @ w.T
+    return out[:m]
 
 
 def _expert_matmul_rule(x: TensorType, w: TensorType, ids: TensorType) -> TensorType:
@@ -121,12 +136,13 @@ def _expert_matmul_rule(x: TensorType, w: TensorType, ids: TensorType) -> Tensor
 @defop("expert_matmul", _expert_matmul_rule)
 def expert_matmul(x, w, ids):
     """out[t, s] = x[t] (or x[t, s]) @ w[ids[t, s]]ᵀ. Rows are grouped by expert, and only
-    the selected experts' slices of w are read and dequantised."""
+    the selected experts' slices of w are read and dequantised; products as `matmul`'s, so a
+    row's result does not depend on how many rows chose the same expert."""
     check_indices("expert_matmul", "expert id", ids, w.shape[0])
     slots = ids.shape[1]
     rows = x if x.ndim == 3 else np.broadcast_to(x[:, None, :], (x.shape[0], slots, x.shape[1]))
     out = np.empty(ids.shape + (w.shape[1],), dtype=F32)
     for expert in np.unique(ids):
         t, s = np.nonzero(ids == expert)
-        out[t, s] = rows[t, s] @ as_f32(w[expert]).T
+        out[t, s] = _row_groups_product(rows[t, s], as_f32(w[expert]))
     return out

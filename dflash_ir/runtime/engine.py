@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -46,6 +46,13 @@ class Generation:
     text: str
     stats: GenerationStats
     rounds: list[dict] = field(default_factory=list)  # per round: anchor_pos, anchor, proposals, accepted
+
+
+@dataclass
+class VerifyBlock:
+    """A round's block [anchor, proposals...], for the target to verify on top of the committed
+    state (`Engine.steps`); nothing is committed until the round's result is sent back."""
+    tokens: list[int]
 
 
 class Engine:
@@ -115,14 +122,35 @@ class Engine:
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         return Generation(tokens, text, self.last_stats, self.last_rounds)
 
-    def iter_tokens(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
-                    sampling: SamplingParams = SamplingParams(), speculative: bool = True, n_max: int | None = None,
-                    stop: Sequence[str] = (), ignore_eos: bool = False, enable_thinking: bool = True,
-                    adaptive: bool | None = None) -> Iterator[list[int]]:
+    def iter_tokens(self, prompt: str | None = None, **kw) -> Iterator[list[int]]:
         """Yields the tokens committed by each step (the first token, then each round's accepted
         proposals plus bonus); between yields the target state holds exactly the committed tokens.
         `adaptive` (default: when the engine knows its costs) chooses each round's length up to
-        n_max by expected tokens per second; False verifies n_max proposals every round."""
+        n_max by expected tokens per second; False verifies n_max proposals every round.
+        Keywords as `steps`, whose blocks this runs on the engine's own target."""
+        steps = self.steps(prompt, **kw)
+        try:
+            sent = None
+            while True:
+                item = steps.send(sent)
+                if isinstance(item, VerifyBlock):
+                    sent = self.target.verify(item.tokens)
+                else:
+                    sent = None
+                    yield item
+        except StopIteration:
+            return
+        finally:
+            steps.close()
+
+    def steps(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
+              sampling: SamplingParams = SamplingParams(), speculative: bool = True, n_max: int | None = None,
+              stop: Sequence[str] = (), ignore_eos: bool = False, enable_thinking: bool = True,
+              adaptive: bool | None = None) -> Generator[list[int] | VerifyBlock, TargetOutput | None, None]:
+        """`iter_tokens`, with each round's verify left to the caller: besides the committed
+        tokens it yields a `VerifyBlock`, and expects `send` to answer it with the target's
+        output for that block, as `self.target.verify` gives it (dflash-serve verifies the
+        blocks of several sequences in one pass)."""
         ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(prompt, messages=messages,
                                                                                 enable_thinking=enable_thinking)
         if speculative and self.draft is None:
@@ -172,7 +200,7 @@ class Engine:
                     feed.flush()
                     proposals = [int(t) for t in self.draft.propose(token)[:k]]
                 with stats.timed("verify"):
-                    out = self.target.verify([token, *proposals])
+                    out = yield VerifyBlock([token, *proposals])
                 with stats.timed("sample"):
                     accepted, bonus = _sample_and_match(sampler, out, proposals)
                 with stats.timed("rollback"):

@@ -11,12 +11,12 @@ acceptance.
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from dflash_ir.errors import ContextOverflowError
-from dflash_ir.program import Program
+from dflash_ir.program import Program, RunResult
 
 from .state import zero_states
 
@@ -127,3 +127,42 @@ class TargetRunner:
         self.states = new
         self.n_past += n_rows
         self._pending = None
+
+
+def verify_together(runners: Sequence[TargetRunner], blocks: Sequence[Sequence[int]], program: Program
+                    ) -> list[TargetOutput]:
+    """The blocks of several sequences, one per runner, verified in one pass of a batched
+    verify `program` (artifact.batched_verify: sequence j's rows are [j*R, (j+1)*R), its
+    inputs and states are named `s<j>.<name>`). Each block is padded to R rows with its last
+    token: the padding's KV rows lie past the block, where attention does not look and the
+    next write replaces them, and no commit reaches them. Each runner is left as after its
+    own `verify(block)`: `commit` keeps its rows' states."""
+    S, R = program.graph.meta_dict["slots"], program.graph.values()["s0.positions"].type.shape[0]
+    if len(runners) != S or len(blocks) != S:
+        raise ValueError(f"{program.graph.name} verifies {S} blocks, got {len(blocks)} for {len(runners)} runners")
+    inputs, states = {}, {}
+    tokens = np.empty(S * R, np.int32)
+    for j, (runner, block) in enumerate(zip(runners, blocks)):
+        n = len(block)
+        if not 1 <= n <= R:
+            raise ValueError(f"{program.graph.name}: a block of {n} tokens; it takes 1..{R}")
+        if runner.n_past + R > runner.n_ctx:
+            raise ContextOverflowError(
+                f"context overflow: {runner.n_past} cached + {R} rows of a batched verify exceed the context size "
+                f"{runner.n_ctx}; verify that block alone")
+        tokens[j * R:(j + 1) * R] = [*block, *[block[-1]] * (R - n)]
+        inputs.update({f"s{j}.positions": np.arange(runner.n_past, runner.n_past + R, dtype=np.int32),
+                       f"s{j}.pos": np.int32(runner.n_past), f"s{j}.kv_len": np.int32(runner.n_past + R)})
+        states.update({f"s{j}.{name}": value for name, value in runner.states.items()})
+    res = program.run({"tokens": tokens, **inputs}, states, keep=_ON_DEVICE)
+    features = res.outputs.get("features")
+    outs = []
+    for j, (runner, block) in enumerate(zip(runners, blocks)):
+        first, n = j * R, len(block)
+        greedy = res.outputs["greedy"][first:first + n]
+        runner._pending = RunResult(
+            {"greedy": greedy, **{rows: res.outputs[f"s{j}.{rows}"][:n] for rows in runner._row_state.values()}},
+            {name: res.states[f"s{j}.{name}"] for name in runner.states}, res.bindings)
+        outs.append(TargetOutput(res.outputs["logits"][first:first + n], greedy,
+                                 None if features is None else features[first:first + n]))
+    return outs

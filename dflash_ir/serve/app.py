@@ -47,6 +47,7 @@ class ServeConfig:
     max_tokens: int  # -1: until the context is full
     sampling: SamplingParams
     template_kwargs: dict
+    batch_verify: bool = True  # verify the busy slots' blocks together (off: --no-batch-verify)
 
 
 class ServerState:
@@ -87,7 +88,7 @@ class ServerState:
             engine = self._load()
             cfg = self.config
             speculative = speculates(engine, cfg.speculative)
-            scheduler = Scheduler(engine, cfg.n_slots, cfg.queue_size)
+            scheduler = Scheduler(engine, cfg.n_slots, cfg.queue_size, batch=cfg.batch_verify)
             self.metrics = scheduler.metrics = ServerMetrics(engine.draft.block_size if engine.draft else 16,
                                                              lambda: scheduler.busy_slots, lambda: scheduler.queued)
             self.defaults = api.ServerDefaults(cfg.alias, engine.n_ctx, cfg.max_tokens, cfg.sampling,

@@ -32,7 +32,7 @@ IGNORED = (
     (("-fa", "--flash-attn"), "?", "attention is always fused (fused_attention pass)"),
     (("-t", "--threads"), True, "the backend's runtime picks its threads"),
     (("--metrics",), False, "/metrics is always on"),
-    (("--cont-batching", "-cb"), False, "slots always take turns round by round"),
+    (("--cont-batching", "-cb"), False, "busy slots always advance together, round by round"),
 )
 
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=integer(0, 65535), default=8080, help="port to listen on (default 8080)")
     s.add_argument("-np", "--parallel", type=integer(1), default=1, help="slots: sequences served at once (default 1)")
+    s.add_argument("--no-batch-verify", action="store_true",
+                   help="verify each slot's block in a pass of its own (default: the busy slots' blocks together, "
+                   "one target pass for all of them)")
     s.add_argument("--queue-size", type=integer(0), default=64,
                    help="requests that may wait for a slot; past it 503 + Retry-After (default 64)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or X-Api-Key) on every API route")
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_body_bytes=args.max_body_bytes, speculative=not args.no_spec, max_tokens=args.n_predict,
                          sampling=SamplingParams(args.temp, args.top_k, args.top_p, args.min_p,
                                                  None if args.seed == -1 else args.seed),
-                         template_kwargs=args.chat_template_kwargs)
+                         template_kwargs=args.chat_template_kwargs, batch_verify=not args.no_batch_verify)
     if args.ray:
         return _serve_on_ray(args, config)
     return _serve(args, config, load)

@@ -1,13 +1,26 @@
-"""Slots and the scheduler of dflash-serve: `-np N` sequences take turns, one round each.
+"""Slots and the scheduler of dflash-serve: `-np N` sequences advance together, one round each.
 
-One thread runs every engine call (`run`), so the device sees one sequence at a time. Each
-cycle admits waiting jobs into free slots, then advances every busy slot by one step of its
-engine's `iter_tokens` (the prefill for a new job, else one speculative round), in slot
-order: with k busy slots each gets every k-th round. Before a slot runs, the slot that ran
-last copies its state out of the shared program buffers (`SlotEngine.own_states`). A job
-whose client went away is dropped before its slot's next step, so its slot is free within
-one round. Jobs beyond the free slots wait in a bounded queue; past the bound `submit`
-raises `QueueFull` (the HTTP layer answers 503 with Retry-After).
+One thread runs every engine call (`run`). Each cycle admits waiting jobs into free slots,
+then advances every busy slot by one step of its engine's `steps` (the prefill for a new
+job, else a decode step or a speculative round). A round stops at its verify: the slot's
+draft has run and its block waits. With `batch` (the default) the waiting blocks are then
+verified together, in passes of the batched verify programs the artifact holds (2 and 4
+sequences: artifact.VERIFY_SLOTS; the most blocks per pass first, a lone block left over on
+the single verify), one target pass and one weight read for all of them, and each slot takes
+its rows' result to accept, commit and deliver its tokens. Blocks shorter than the draft's
+block are padded (target_runner.verify_together), so slots at any positions and any round
+lengths share a pass; a block whose padding would run past the context is verified alone.
+Without `batch` (or batched programs, or a second slot) each round runs through at once,
+its block verified alone: slots take turns round by round.
+
+Programs' states and outputs live in their buffers until the same program runs again, so
+before a slot runs a program of its own (its prefill, decode, draft or lone verify) every
+other slot whose states may sit in shared buffers copies them into buffers of its own
+(`SlotEngine.own_states`); so does every such slot before a batched pass, which then leaves
+its slots' states in its buffers. A job whose client went away is dropped before its slot's
+next step, so its slot is free within one round. Jobs beyond the free slots wait in a
+bounded queue; past the bound `submit` raises `QueueFull` (the HTTP layer answers 503 with
+Retry-After).
 """
 from __future__ import annotations
 
@@ -15,10 +28,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Generator
 
-from dflash_ir.runtime.engine import Engine
+from dflash_ir.artifact import VERIFY_SLOTS, batched_verify
+from dflash_ir.runtime.engine import Engine, VerifyBlock
 from dflash_ir.runtime.stats import GenerationStats
+from dflash_ir.runtime.target_runner import verify_together
 
 from .slot_state import SlotEngine
 
@@ -73,7 +88,11 @@ class Slot:
         self.index = index
         self.state = SlotEngine(shared)
         self.job: Job | None = None
-        self.tokens: Iterator[list[int]] | None = None
+        self.steps: Generator | None = None  # the job's Engine.steps
+
+    @property
+    def target(self):
+        return self.state.engine.target
 
     @property
     def busy(self) -> bool:
@@ -81,7 +100,7 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, n_slots: int, queue_size: int, metrics=None):
+    def __init__(self, engine: Engine, n_slots: int, queue_size: int, metrics=None, batch: bool = True):
         if n_slots < 1:
             raise ValueError(f"the number of slots (-np) must be at least 1, got {n_slots}")
         if queue_size < 0:
@@ -89,9 +108,15 @@ class Scheduler:
         self.slots = [Slot(i, engine) for i in range(n_slots)]
         self.queue_size = queue_size
         self.metrics = metrics
+        # batched verify programs by blocks per pass, most first (none without batching)
+        self._batched = {s: engine.target.programs[batched_verify(s)] for s in sorted(VERIFY_SLOTS, reverse=True)
+                         if batch and batched_verify(s) in engine.target.programs and s <= n_slots}
+        self._rows = engine.draft.block_size if self._batched else 0  # rows per block of a batched pass
         self._waiting: deque[Job] = deque()
         self._wake = threading.Condition()
-        self._last: Slot | None = None  # the slot whose state may sit in the shared program buffers
+        self._exposed: set[Slot] = set()  # slots whose states may sit in shared program buffers
+        self.verify_passes = 0  # target verify passes run, batched or alone
+        self.verified_blocks = 0  # blocks they verified
 
     @property
     def queued(self) -> int:
@@ -118,11 +143,19 @@ class Scheduler:
             self._wake.notify()
 
     def step(self) -> bool:
-        """One cycle: admit waiting jobs, one step for each busy slot. False when idle."""
+        """One cycle: admit waiting jobs, one step for each busy slot (its verify batched with
+        the others'). False when idle."""
         self._admit()
         busy = [s for s in self.slots if s.busy]
+        blocks = []  # (slot, block) of the rounds waiting for their verify
         for slot in busy:
-            self._advance(slot)
+            block = self._advance(slot)
+            if block is not None and self._batched:
+                blocks.append((slot, block))
+            elif block is not None:  # without batched programs a round runs through at once
+                self._verify([(slot, block)])
+        for group in self._groups(blocks):
+            self._verify(group)
         return bool(busy)
 
     def run(self, stop: threading.Event) -> None:
@@ -139,33 +172,84 @@ class Scheduler:
                 if not slot.busy and self._waiting:
                     job = self._waiting.popleft()
                     slot.job = job
-                    slot.tokens = slot.state.engine.iter_tokens(prompt_ids=job.prompt_ids, **job.options)
+                    slot.steps = slot.state.engine.steps(prompt_ids=job.prompt_ids, **job.options)
 
-    def _advance(self, slot: Slot) -> None:
+    def _own_others(self, running: set[Slot]) -> None:
+        """Every slot not in `running` copies its states out of shared program buffers."""
+        for other in self._exposed - running:
+            if other.busy:
+                other.state.own_states()
+        self._exposed &= running
+
+    def _advance(self, slot: Slot, verified=None) -> VerifyBlock | None:
+        """Run the slot's job to its next step's end (deliver its tokens) or to its round's
+        verify (return the block); `verified` answers the block it returned last time."""
         job = slot.job
         if job.cancelled:
             self._release(slot, "cancelled")
-            return
-        if self._last is not None and self._last is not slot and self._last.busy:
-            self._last.state.own_states()
-        self._last = slot
+            return None
+        if verified is None:
+            self._own_others({slot})
+        self._exposed.add(slot)
         try:
-            ids = next(slot.tokens)
+            item = slot.steps.send(verified) if verified is not None else next(slot.steps)
         except StopIteration:
             self._finish(slot)
-            return
+            return None
         except Exception as e:  # the engine's own message; the server goes on with the other slots
-            job.deliver(Failed(f"{type(e).__name__}: {e}"))
-            self._release(slot, "failed")
-            return
+            self._fail(slot, f"{type(e).__name__}: {e}")
+            return None
+        if isinstance(item, VerifyBlock):
+            return item
         job.steps += 1
         if job.steps == 1:
             job.first_token = time.perf_counter()
-        if ids:
-            job.deliver(Tokens(ids))
+        if item:
+            job.deliver(Tokens(item))
         stats = slot.state.engine.last_stats
         if stats is not None and stats.stop_reason:  # the engine has stopped: no need to wait for its return
             self._finish(slot)
+        return None
+
+    def _groups(self, blocks: list[tuple[Slot, VerifyBlock]]) -> list[list[tuple[Slot, VerifyBlock]]]:
+        """Blocks in passes: as many as the largest batched program takes while enough fit
+        one (its rows and the context), the rest alone."""
+        fits, alone = [], []
+        for slot, block in blocks:
+            room = len(block.tokens) <= self._rows and slot.target.n_past + self._rows <= slot.target.n_ctx
+            (fits if self._batched and room else alone).append((slot, block))
+        groups = []
+        for size in self._batched:
+            while len(fits) >= size:
+                groups.append(fits[:size])
+                fits = fits[size:]
+        return groups + [[b] for b in fits + alone]
+
+    def _verify(self, group: list[tuple[Slot, VerifyBlock]]) -> None:
+        """One target pass for the group's blocks, then each slot's round goes on from it."""
+        slots = [slot for slot, _ in group]
+        # a batched pass binds its slots' states by position: none may still sit in its buffers
+        self._own_others(set(slots) if len(group) == 1 else set())
+        try:
+            if len(group) == 1:
+                outs = [slots[0].target.verify(group[0][1].tokens)]
+            else:
+                outs = verify_together([s.target for s in slots], [b.tokens for _, b in group],
+                                       self._batched[len(group)])
+                outs = [s.target.own_features(out) for s, out in zip(slots, outs)]
+        except Exception as e:
+            for slot in slots:
+                self._fail(slot, f"{type(e).__name__}: {e}")
+            return
+        self._exposed |= set(slots)
+        self.verify_passes += 1
+        self.verified_blocks += len(group)
+        for slot, out in zip(slots, outs):
+            self._advance(slot, out)
+
+    def _fail(self, slot: Slot, message: str) -> None:
+        slot.job.deliver(Failed(message))
+        self._release(slot, "failed")
 
     def _finish(self, slot: Slot) -> None:
         ending = self._ending(slot)
@@ -183,7 +267,6 @@ class Scheduler:
     def _release(self, slot: Slot, outcome: str, ending: Finished | None = None) -> None:
         if self.metrics is not None:
             self.metrics.job_ended(ending or (self._ending(slot) if slot.job.steps else None), outcome)
-        slot.tokens.close()
-        slot.job, slot.tokens = None, None
-        if self._last is slot:
-            self._last = None
+        slot.steps.close()
+        slot.job, slot.steps = None, None
+        self._exposed.discard(slot)

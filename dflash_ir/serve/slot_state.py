@@ -6,8 +6,10 @@ take turns on one set of programs would overwrite each other's KV caches, Gated 
 states and tap features. A slot therefore
   * copies the tap features a target call returns into its own device buffer at once (the
     engine holds them from one round to the next, where nothing else can reach them), and
-  * when another slot is about to run (`own_states`), copies its runners' states into its
-    own device buffers, from where the runner copies them back in on the slot's next call.
+  * when another slot is about to run, or a batched verify pass (which binds each of its
+    slots' states by position in the batch) is (`own_states`), copies its runners' states
+    into its own device buffers, from where the runner copies them back in on the slot's
+    next call.
 Both are device-to-device copies (no host round trip); a single busy slot copies nothing but
 the features. The reference interpreter returns fresh host arrays, which need no copy.
 """
@@ -56,12 +58,14 @@ class SlotTargetRunner(TargetRunner):
         super().__init__(programs, n_ctx)
 
     def prefill(self, tokens, **kw) -> TargetOutput:
-        return self._own_features(super().prefill(tokens, **kw))
+        return self.own_features(super().prefill(tokens, **kw))
 
     def verify(self, tokens) -> TargetOutput:
-        return self._own_features(super().verify(tokens))
+        return self.own_features(super().verify(tokens))
 
-    def _own_features(self, out: TargetOutput) -> TargetOutput:
+    def own_features(self, out: TargetOutput) -> TargetOutput:
+        """`out` with its tap features copied into this slot's buffer (the program's next run,
+        or a batched pass's, would overwrite them)."""
         out.device_features = self.features_store.own("features", out.device_features)
         return out
 

@@ -154,3 +154,23 @@ def test_scripted_draft_makes_every_round_accept_tau_minus_one(tiny_pair):
     engine.draft = ScriptedDraft(network, prompt + want[:20], 3)
     with pytest.raises(IndexError, match="the scripted continuation ends at position 27"):
         engine.generate(prompt_ids=prompt, max_tokens=30, n_max=7, ignore_eos=True)
+
+
+def test_serve_suite_batches_the_verify_blocks_of_concurrent_requests(tmp_path):
+    """1, 2 and 4 requests at once, batched and one by one (the suite itself checks every
+    request's tokens against its single-client greedy run): with 2 and 4 requests a batched
+    run verifies the same blocks in fewer target passes; one request runs the same either way."""
+    out = tmp_path / "out"
+    assert cli.main(["--quick", "-b", "opencl" if "opencl" in _cpu_backends() else "numpy", "--suites", "serve",
+                     "--models", "synthetic", "-o", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["failures"] == []
+    points = {(p["clients"], p["batched"]): p for p in r["serve"]}
+    assert sorted(points) == [(n, b) for n in (1, 2, 4) for b in (False, True)]
+    for (clients, batched), p in points.items():
+        assert p["tokens"] == clients * 16 and p["tps"] == pytest.approx(p["tokens"] / p["seconds"])
+        if clients == 1 or not batched:
+            assert p["verify_passes"] == p["verified_blocks"]
+        else:
+            assert p["verify_passes"] < p["verified_blocks"]
+    assert "## dflash-serve: concurrent requests" in (out / "results.md").read_text()

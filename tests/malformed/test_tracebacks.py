@@ -126,8 +126,8 @@ def test_a_symlink_out_of_the_artifact_is_refused_before_reading(copy, tmp_path)
 def test_a_program_missing_or_added_is_named(copy):
     rewrite(copy, _drop("programs", "draft.inject"))
     with pytest.raises(ArtifactError, match=r"the manifest's programs are \['draft.block', 'target.decode', "
-                                            r"'target.prefill', 'target.verify'\], expected \['draft.block', "
-                                            r"'draft.inject', "):
+                                            r"'target.prefill', 'target.verify', 'target.verify_s2', "
+                                            r"'target.verify_s4'\], expected \['draft.block', 'draft.inject', "):
         load_compiled(copy)
 
 

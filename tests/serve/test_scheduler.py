@@ -37,10 +37,16 @@ def drafts(rounds) -> dict[int, list[int]]:
     return {r["anchor_pos"]: r["proposals"] for r in rounds}
 
 
-def test_two_slots_taking_turns_each_equal_their_single_client_result(engine, prompt_ids):
+@pytest.mark.parametrize("batch", [True, False])
+def test_two_slots_each_equal_their_single_client_result(engine, prompt_ids, batch):
+    two_slots(engine, prompt_ids, batch)
+
+
+def two_slots(engine, prompt_ids, batch: bool) -> None:
+    """Two slots, their blocks verified together (`batch`) or slot after slot."""
     single = [engine.generate(prompt_ids=i, max_tokens=48, ignore_eos=True) for i in prompt_ids[:2]]
     rec = Recorder()
-    scheduler = Scheduler(engine, n_slots=2, queue_size=0)
+    scheduler = Scheduler(engine, n_slots=2, queue_size=0, batch=batch)
     for k in range(2):
         scheduler.submit(rec.job(k, prompt_ids[k], max_tokens=48))
     run_all(scheduler)
@@ -61,20 +67,31 @@ def test_two_slots_taking_turns_each_equal_their_single_client_result(engine, pr
     for k in range(2):  # a step per Tokens event: the prefill, then at least one per round
         (end,) = rec.ends(k)
         assert end.steps == order.count(k) >= 1 + end.stats.rounds
-    # the generation's wall time includes the other slot's turns: the first to finish took turns all along
-    assert ends[0].predicted_seconds > 1.5 * ends[0].stats.generate_seconds
+    rounds = sum(e.stats.rounds for e in ends)
+    assert scheduler.verified_blocks == rounds
+    if batch:  # both slots' blocks in one pass while both were in a round: a pass per round of the longer job
+        assert scheduler.verify_passes == max(e.stats.rounds for e in ends) < rounds
+    else:
+        assert scheduler.verify_passes == rounds
+        # the generation's wall time includes the other slot's turns: the first to finish took turns all along
+        assert ends[0].predicted_seconds > 1.5 * ends[0].stats.generate_seconds
 
 
-@pytest.mark.parametrize("skip", ["own_states", "_own_features"])
-def test_without_each_copy_the_slots_corrupt_each_other(engine, prompt_ids, monkeypatch, skip):
+@pytest.mark.parametrize("batch", [True, False])
+@pytest.mark.parametrize("skip", ["own_states", "own_features"])
+def test_without_each_copy_the_slots_corrupt_each_other(engine, prompt_ids, monkeypatch, skip, batch):
     """Why the copies exist: sharing the programs' buffers, one slot's run overwrites the
-    other's states (wrong tokens) or tap features (the draft sees the wrong context)."""
+    other's states (wrong tokens) or tap features (the draft sees the wrong context). Prompts
+    of one length, so both prefills run in the same buffers (a program keeps a set per size)."""
     import dflash_ir.serve.slot_state as slot_state
 
+    shortest = min(len(i) for i in prompt_ids[:2])
+    same_length = [i[:shortest] for i in prompt_ids[:2]]
+    two_slots(engine, same_length, batch)  # with the copies: each equal to its single-client result
     owner = slot_state.SlotEngine if skip == "own_states" else slot_state.SlotTargetRunner
     monkeypatch.setattr(owner, skip, lambda self, out=None: out)
     with pytest.raises(AssertionError):
-        test_two_slots_taking_turns_each_equal_their_single_client_result(engine, prompt_ids)
+        two_slots(engine, same_length, batch)
 
 
 def test_more_jobs_than_slots_with_different_lengths(engine, prompt_ids):

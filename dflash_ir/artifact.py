@@ -319,14 +319,14 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
     be.require()
     progress(f"checking the source GGUFs ({sources})")
     files = {role: open_gguf(check_source(role, entry, sources)) for role, entry in manifest["sources"].items()}
-    # the interpreter reads weights at its first call, not at load: its loads have no weight progress
-    weights = FileWeights(files, graphs=graphs, progress=progress if be.name != "numpy" else lambda msg: None)
 
     cfg = manifest["config"]
     if n_max is not None and "draft" in cfg and not 0 <= n_max < cfg["draft"]["block_size"]:
         raise ValueError(f"n_max must be in 0..{cfg['draft']['block_size'] - 1} for the draft's block size "
                          f"{cfg['draft']['block_size']} (0: no drafting), got {n_max}")
     check_weights(graphs, files, str(path))
+    # the interpreter reads weights at its first call, not at load: its loads have no weight progress
+    weights = FileWeights(files, graphs=graphs, progress=progress if be.name != "numpy" else lambda msg: None)
     check_fits(graphs, files, n_ctx=cfg["n_ctx"], block_size=_block_size(cfg.get("draft")),
                dequantised=be.name == "numpy", where=str(path), progress=progress)
     programs = {}

@@ -7,7 +7,10 @@ Weights count as stored in the GGUFs (kernel backends upload them) or as float32
 interpreter dequantises them). Activations count every program's outputs at its largest
 call: a prefill chunk of PREFILL_CHUNK rows, a verify or draft block of block-size rows.
 Intermediate values come on top, so the total is a lower bound: a context it refuses
-cannot run, and a context it accepts gets this far before allocating.
+cannot run, and a context it accepts gets this far before allocating. It is one sequence's
+need: a batched verify (graph meta "slots", dflash-serve's) takes other sequences' states,
+so its states and per-row states are not counted as this sequence's (its outputs are
+activations).
 """
 from __future__ import annotations
 
@@ -63,14 +66,15 @@ def memory_need(graphs: Mapping[str, Graph], weight_bytes: Callable[[Weight], in
     kv, recurrent = {}, {}
     for role, capacity in (("target", n_ctx), ("draft", n_ctx + block_size)):
         for name, g in graphs.items():
-            for s in g.states if name.startswith(f"{role}.") else ():
+            for s in g.states if name.startswith(f"{role}.") and not g.meta_dict.get("slots") else ():
                 kind = kv if "C" in s.value.type.shape else recurrent
                 kind[role, s.value.name] = _nbytes(s.value, {"C": capacity})
     row_states = activations = 0
     for name, g in graphs.items():
         t = rows[g.meta_dict.get("kind", name.split(".", 1)[1])]  # a batched verify's rows are static
         bindings = {"C": n_ctx + block_size, "T": t, "R": t, "S": t}
-        values, per_row = g.values(), {out for _, out in g.meta_dict.get("row_states", ())}
+        values = g.values()
+        per_row = set() if g.meta_dict.get("slots") else {out for _, out in g.meta_dict.get("row_states", ())}
         for out, v in g.outputs:
             if out in per_row:
                 row_states += _nbytes(values[v], bindings)

@@ -1,4 +1,4 @@
-"""fuse_matmul: a Q8_0 product absorbs the RMSNorm before it and the SwiGLU after it.
+"""fuse_matmul: a product absorbs the RMSNorm before it and the SwiGLU after it.
 
 A layer normalises its input and projects it (attention q/k/v, a Gated DeltaNet layer's
 input projections, the MLP's gate and up, the output head), and the MLP multiplies
@@ -6,11 +6,15 @@ silu(gate) by up. As separate kernels the normalised row and the two projections
 round trips through memory and cost a launch each; as one `fused_matmul` the kernel
 normalises on the fly (the row's RMS folded into the product, the norm weight into the
 weight vectors) and writes silu(gate) * up directly. Two rules, to a fixpoint:
-- `norm`: a Q8_0 matmul_group, matmul_q8_0 (without residual) or fused_matmul without a
-  prologue, whose f32 x is an rmsnorm read by nothing else, takes the norm's input and
-  weight (`norm_eps`);
-- `swiglu`: swiglu(p0, p1) where p0 and p1 are the two outputs of one Q8_0 matmul_group or
+- `norm`: a matmul_group, specialised matmul (without residual) or fused_matmul without a
+  prologue, whose f32 x is an rmsnorm read only by such products, takes the norm's input and
+  weight (`norm_eps`); with several readers (a Q4_K_M layer's Q6_K v projection beside its
+  Q4_K group: products of different types are not grouped) each recomputes the row's RMS;
+- `swiglu`: swiglu(p0, p1) where p0 and p1 are the two outputs of one matmul_group or
   fused_matmul, read by nothing else, becomes that product with epilogue "swiglu".
+Products of every stored weight type fuse (Q8_0, F16 and the block types of a Q4_K_M file):
+the GPU GEMV reads any of them; where a schedule has no fused kernel for a type (the CPU
+tiles are Q8_0 only) lowering runs the parts (backends/kernels/fused.py).
 The fused op's reference is the composition of the ops it replaced, so outputs are
 bit-identical (tests/passes/test_fuse_matmul.py).
 """
@@ -18,31 +22,40 @@ from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph
+from dflash_ir.ops.specialised import OPS
 from dflash_ir.rewrite import P, Rule, V, rewrite
 
-PRODUCT = "matmul_q8_0"
+PRODUCTS = tuple(OPS.values())
 _SHAPE = ("op", "form", "K", "Ns", "layout")
 
 
 def _product_attrs(node) -> dict | None:
-    """The fused_matmul attrs of a Q8_0 product node (None if it cannot be fused)."""
+    """The fused_matmul attrs of a specialised product node (None if it cannot be fused)."""
     a = node.attr
     if node.op == "fused_matmul":
         return {k: a[k] for k in _SHAPE + ("norm_eps", "epilogue")}
-    if node.op == "matmul_group" and a["op"] == PRODUCT:
+    if node.op == "matmul_group" and a["op"] in PRODUCTS:
         return {**{k: a[k] for k in _SHAPE}, "norm_eps": None, "epilogue": "none"}
-    if node.op == PRODUCT and len(node.inputs) == 2:
-        return {"op": PRODUCT, "form": a["form"], "K": a["K"], "Ns": (a["N"],), "layout": a["layout"],
+    if node.op in PRODUCTS and len(node.inputs) == 2:
+        return {"op": node.op, "form": a["form"], "K": a["K"], "Ns": (a["N"],), "layout": a["layout"],
                 "norm_eps": None, "epilogue": "none"}
     return None
+
+
+def _takes_norm(node, x) -> bool:
+    attrs = _product_attrs(node)
+    return attrs is not None and attrs["norm_eps"] is None and node.inputs[0] == x.name and x.name not in node.inputs[1:]
 
 
 def _norm(m, emit):
     node = m.root
     attrs = _product_attrs(node)
     x = emit.value(node.inputs[0])
-    if attrs is None or attrs["norm_eps"] is not None or emit.kind(x) != "node" or emit.uses(x) != 1:
+    if attrs is None or attrs["norm_eps"] is not None or emit.kind(x) != "node":
         return None
+    readers = emit.readers(x)
+    if emit.uses(x) != len(readers) or not all(_takes_norm(r, x) for r in readers):
+        return None  # the normalised row is needed as it is: it stays one rmsnorm
     norm = m.producer(x)
     if norm.op != "rmsnorm" or len(norm.inputs) != 2 or x.type.dtype is not DType.F32:
         return None
@@ -63,7 +76,7 @@ def _swiglu(m, emit):
     return emit.op("fused_matmul", *(emit.value(n) for n in node.inputs), **{**attrs, "epilogue": "swiglu"})
 
 
-RULES = [Rule("norm", P(("matmul_group", PRODUCT, "fused_matmul"), output=None), _norm),
+RULES = [Rule("norm", P(("matmul_group", *PRODUCTS, "fused_matmul"), output=None), _norm),
          Rule("swiglu", P("swiglu", V("gate"), V("up")), _swiglu)]
 
 

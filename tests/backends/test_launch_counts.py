@@ -15,22 +15,29 @@ from dflash_ir.artifact import open_pair
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.plan import compile_expr
 from dflash_ir.benchmark.models import SMALL_SHAPE
+from dflash_ir.benchmark.peer import PeerCrashed, peer_unavailable, quantize
+from dflash_ir.dtypes import DType
+from dflash_ir.models.gguf_file import open_gguf
 from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
 
 LAYERS = 16
 RECURRENT = 12  # Gated DeltaNet layers; the other four are attention layers
 PER_LAYER = 5
+INPUT_PROJECTIONS = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "attn_q", "attn_k", "attn_v")
+
+
+def _pair(d, dtype: str):
+    cfg = tiny_target_config("qwen35", **dict(SMALL_SHAPE, n_layer=LAYERS))
+    write_target(d / "target.gguf", cfg, dtype=dtype, seed=0)
+    write_draft(d / "draft.gguf", tiny_draft_config(cfg, n_layer=1), target_cfg=cfg, dtype=dtype, seed=1)
+    assert sum(cfg.layer_is_recurrent) == RECURRENT
+    return d / "target.gguf", d / "draft.gguf"
 
 
 @pytest.fixture(scope="module")
 def graphs(tmp_path_factory):
     """The synthetic target's make (SMALL_SHAPE's sizes: launches do not depend on them) with 16 layers."""
-    d = tmp_path_factory.mktemp("launch-counts")
-    cfg = tiny_target_config("qwen35", **dict(SMALL_SHAPE, n_layer=LAYERS))
-    write_target(d / "target.gguf", cfg, dtype="q8_0", seed=0)
-    write_draft(d / "draft.gguf", tiny_draft_config(cfg, n_layer=1), target_cfg=cfg, dtype="q8_0", seed=1)
-    assert sum(cfg.layer_is_recurrent) == RECURRENT
-    return open_pair(d / "target.gguf", d / "draft.gguf", opt_level=2).graphs
+    return open_pair(*_pair(tmp_path_factory.mktemp("launch-counts"), "q8_0"), opt_level=2).graphs
 
 
 def launched(graph, profile: str, rows: int) -> list[str]:
@@ -51,6 +58,30 @@ def test_a_token_is_five_launches_per_layer(graphs, profile, name, rows):
     assert len(products) == (PER_LAYER - 1) * LAYERS + 1  # the LM head with its norm
     assert others == ["argmax", "concat", "embedding"]
     assert len(kernels) == PER_LAYER * LAYERS + 4
+
+
+@pytest.mark.parametrize("name, rows", [("target.decode", 1), ("target.verify", 16)])
+def test_a_q4_k_m_file_on_the_gpu_schedule_is_five_launches_per_layer(tmp_path, name, rows):
+    """What llama.cpp users run: llama-quantize's Q4_K_M mix (Q4_K, Q6_K, ...) fuses as Q8_0 does."""
+    reason = peer_unavailable()
+    if reason:
+        pytest.skip(reason)
+    f16_target, _ = _pair(tmp_path, "f16")
+    try:
+        target = quantize(f16_target, tmp_path / "target-q4_k_m.gguf", "Q4_K_M")
+    except PeerCrashed as e:
+        pytest.skip(str(e))
+    with open_gguf(target) as f:
+        types = {name: t.dtype for name, t in f.tensors.items()}
+    assert {DType.Q4_K, DType.Q6_K} <= set(types.values())
+    # products of different types are not grouped: a layer whose input projections mix types
+    # (llama-quantize's Q6_K for some layers' attn_qkv / attn_v) launches one product per type
+    split = sum(len({types[f"blk.{i}.{p}.weight"] for p in INPUT_PROJECTIONS if f"blk.{i}.{p}.weight" in types}) - 1
+                for i in range(LAYERS))
+    assert split > 0
+    kernels = launched(open_pair(target, opt_level=2).graphs[name], "gpu", rows)
+    assert not [k for k in kernels if k.startswith(("rmsnorm", "swiglu"))]
+    assert len(kernels) == PER_LAYER * LAYERS + 3 + split  # no tap concat: the target alone
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])

@@ -1,15 +1,15 @@
-"""fuse_matmul: Q8_0 products absorb the RMSNorm before them and the SwiGLU after them."""
+"""fuse_matmul: products absorb the RMSNorm before them and the SwiGLU after them."""
 import pytest
 
 from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
-from dflash_ir.passes.fuse_matmul import fuse_matmul
+from dflash_ir.passes.fuse_matmul import PRODUCTS, fuse_matmul
 from dflash_ir.passes.pipeline import run_pipeline
 
 
 def _norm_fed_products(graph) -> int:
     producers = graph.producers()
-    return sum(1 for n in graph.nodes if n.op in ("matmul_group", "matmul_q8_0", "fused_matmul")
+    return sum(1 for n in graph.nodes if n.op in ("matmul_group", "fused_matmul", *PRODUCTS)
                and n.inputs[0] in producers and producers[n.inputs[0]].op == "rmsnorm")
 
 
@@ -38,14 +38,14 @@ def test_q8_numerics_keep_the_norm_out_of_the_product(tiny_models):
     assert any(n.attr["epilogue"] == "swiglu" for n in fused)
 
 
-def _layer(norm_readers: int = 1, residual: bool = False, dtype=DType.Q8_0, swapped: bool = False):
+def _layer(norm_readers: int = 1, residual: bool = False, dtype=DType.Q8_0, swapped: bool = False, width: int = 64):
     b = GraphBuilder("probe")
-    x = b.input("x", DType.F32, ("T", 64))
-    h = b.rmsnorm(x, b.weight("nw", DType.F32, (64,)), eps=1e-6)
-    gate = b.matmul(h, b.dequantize(b.weight("wg", dtype, (32, 64))))
-    up = b.matmul(h, b.dequantize(b.weight("wu", dtype, (32, 64))))
+    x = b.input("x", DType.F32, ("T", width))
+    h = b.rmsnorm(x, b.weight("nw", DType.F32, (width,)), eps=1e-6)
+    gate = b.matmul(h, b.dequantize(b.weight("wg", dtype, (width // 2, width))))
+    up = b.matmul(h, b.dequantize(b.weight("wu", dtype, (width // 2, width))))
     act = b.swiglu(up, gate) if swapped else b.swiglu(gate, up)
-    down = b.matmul(act, b.dequantize(b.weight("wd", dtype, (64, 32))))
+    down = b.matmul(act, b.dequantize(b.weight("wd", dtype, (width, width // 2))))
     b.output("y", b.add(down, x) if residual else down)
     if norm_readers > 1:
         b.output("h", h)
@@ -57,8 +57,14 @@ def test_an_mlp_becomes_two_products():
     assert ops == {"fused_matmul": 1, "matmul_q8_0": 1}
 
 
+@pytest.mark.parametrize("dtype", [DType.F16, DType.Q4_K, DType.Q6_K, DType.IQ4_XS])
+def test_products_of_every_stored_type_fuse(dtype):
+    """A Q4_K_M file's MLP (Q4_K gate/up, Q6_K down) fuses as a Q8_0 one does."""
+    ops = _layer(dtype=dtype, width=512).op_counts()
+    assert ops == {"fused_matmul": 1, f"matmul_{dtype.value}": 1}
+
+
 def test_declines_what_it_cannot_fuse():
     assert "rmsnorm" in _layer(norm_readers=2).op_counts()  # the normalised row is an output too
-    assert _layer(dtype=DType.F16).op_counts().get("fused_matmul", 0) == 0  # no fused F16 kernel
     swapped = [n for n in _layer(swapped=True).nodes if n.op == "fused_matmul"]
     assert swapped and swapped[0].attr["epilogue"] == "none"  # silu(up) * gate is not the pair's SwiGLU

@@ -3,8 +3,10 @@
 llama-server's `llamacpp:*` counters and gauges (prompt and predicted tokens and seconds,
 requests processing and deferred, average throughputs, speculative draft and accepted
 tokens) plus dflash's own: `dflash:round_tokens`, a histogram of the tokens each
-speculative round commits (accepted + bonus; its sum / count is τ), and
-`dflash:requests_total` by outcome (finished, cancelled, failed, rejected, invalid).
+speculative round commits (accepted + bonus; its sum / count is τ), `dflash:verify_passes_total`
+and `dflash:verify_blocks_total` (target verify passes and the blocks they verified: fewer
+passes than blocks where slots' blocks were batched), and `dflash:requests_total` by outcome
+(finished, cancelled, failed, rejected, invalid).
 A request's figures are added when it ends.
 """
 from __future__ import annotations
@@ -46,12 +48,20 @@ class ServerMetrics:
                                         registry=r)
         self.round_tokens = Histogram("dflash:round_tokens", "Tokens committed per speculative round (accepted + "
                                       "bonus); sum / count is tau.", buckets=range(1, block_size + 1), registry=r)
+        self.verify_passes = Counter("dflash:verify_passes", "Target verify passes (a batched pass of several "
+                                     "slots' blocks counts once).", registry=r)
+        self.verify_blocks = Counter("dflash:verify_blocks", "Blocks the verify passes verified.", registry=r)
         self.requests = Counter("dflash:requests", "Requests by outcome.", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
 
     def request(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
+
+    def verified(self, blocks: int) -> None:
+        """Count a target verify pass of `blocks` blocks."""
+        self.verify_passes.inc()
+        self.verify_blocks.inc(blocks)
 
     def job_ended(self, ending, outcome: str) -> None:
         """Count a job that ran (`ending`: scheduler.Finished, None if it never started)."""

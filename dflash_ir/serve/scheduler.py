@@ -244,6 +244,8 @@ class Scheduler:
         self._exposed |= set(slots)
         self.verify_passes += 1
         self.verified_blocks += len(group)
+        if self.metrics is not None:
+            self.metrics.verified(len(group))
         for slot, out in zip(slots, outs):
             self._advance(slot, out)
 

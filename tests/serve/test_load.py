@@ -76,10 +76,13 @@ def test_load(demo_artifact, engine, prompts, tmp_path):
         assert delta("cancelled") >= 1 and delta("failed") == delta("rejected") == 0
         assert rss_after - rss_half < MEMORY_SLACK and rss_after - rss_before < MEMORY_SLACK_FIRST_USE, (
             rss_before, rss_half, rss_after)
+        passes, blocks = (metrics_after[name, ()] - metrics_before[name, ()]
+                          for name in ("dflash:verify_passes_total", "dflash:verify_blocks_total"))
+        assert passes < blocks  # the two slots' blocks shared target passes (batched verify, on by default)
         assert request(server.port, "GET", "/health")[0] == 200
         assert all(not s["is_processing"] for s in json.loads(request(server.port, "GET", "/slots")[2]))
         print(f"\nload: {REQUESTS} requests, {CLIENTS} clients, 2 slots: {seconds:.1f}s, "
               f"{sum(r.completion_tokens for r in results) / seconds:.0f} tokens/s aggregate, "
-              f"{delta('cancelled'):.0f} cancelled, RSS {rss_before >> 20} -> {rss_half >> 20} -> {rss_after >> 20} MiB")
+              f"{delta('cancelled'):.0f} cancelled, {blocks:.0f} blocks verified in {passes:.0f} passes, RSS {rss_before >> 20} -> {rss_half >> 20} -> {rss_after >> 20} MiB")
     finally:
         server.stop()

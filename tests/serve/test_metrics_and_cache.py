@@ -24,7 +24,10 @@ def test_a_finished_job_and_the_gauges():
     m.job_ended(Finished(stats, 0.25, 2.0, 4), "finished")
     m.job_ended(None, "cancelled")
     m.request("invalid")
+    m.verified(2)  # a batched pass of two slots' blocks, then a lone block
+    m.verified(1)
     got = samples(m)
+    assert (got[("dflash:verify_passes_total", ())], got[("dflash:verify_blocks_total", ())]) == (2, 3)
     assert got[("llamacpp:n_decode_total", ())] == 4
     assert got[("llamacpp:requests_processing", ())] == 3 and got[("llamacpp:requests_deferred", ())] == 5
     assert got[("llamacpp:prompt_tokens_seconds", ())] == 36.0 and got[("llamacpp:predicted_tokens_seconds", ())] == 6.0

@@ -1,8 +1,8 @@
 """The batched verify (artifact.batched_verify, target_runner.verify_together): the blocks of
 2 or 4 sequences in one target pass. A row's logits must not depend on which other rows share
 the pass, nor on the padding of its block: each sequence's logits, greedy ids and committed
-state equal, bit for bit, those of its own verify, on the interpreter and on OpenCL (PoCL)
-with the kernels of both device profiles."""
+state equal, bit for bit, those of its own verify, on the interpreter, on OpenCL (PoCL)
+with the kernels of both device profiles, and on lavapipe and tvm-llvm."""
 import collections
 from pathlib import Path
 
@@ -79,15 +79,20 @@ def demo_engine():
     return open_engine(TARGET, DRAFT, n_ctx=N_CTX)
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
-def test_opencl_batched_rows_equal_their_own_verify(tmp_path, monkeypatch, profile):
+@pytest.mark.parametrize("backend, profile", [
+    ("opencl", "cpu"), ("opencl", "gpu"),
+    pytest.param("vulkan", None, marks=pytest.mark.slow), pytest.param("tvm-llvm", None, marks=pytest.mark.slow)])
+def test_kernel_backend_batched_rows_equal_their_own_verify(tmp_path, monkeypatch, backend, profile):
+    """OpenCL on PoCL with the kernels of each device class; lavapipe and tvm-llvm (slow: a
+    minute's compile each)."""
     from dflash_ir.backends.base import get_backend
 
-    reason = get_backend("opencl").unavailable_reason()
+    reason = get_backend(backend).unavailable_reason()
     if reason:
-        pytest.skip(f"OpenCL (PoCL) is not available: {reason}")
-    monkeypatch.setenv("DFLASH_IR_PROFILE", profile)  # the kernels of this device class, run on PoCL
-    out = compile_pair(TARGET, DRAFT, out=tmp_path / profile, backend="opencl", n_ctx=N_CTX)
+        pytest.skip(f"{backend} is not available: {reason}")
+    if profile:
+        monkeypatch.setenv("DFLASH_IR_PROFILE", profile)  # the kernels of this device class, run on PoCL
+    out = compile_pair(TARGET, DRAFT, out=tmp_path / "art", backend=backend, n_ctx=N_CTX)
     check_batched_equals_alone(load_compiled(out, measure_costs=False).target.programs)
 
 

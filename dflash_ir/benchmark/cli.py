@@ -156,7 +156,8 @@ class Bench:
                              if row.generated_tokens < self.args.max_tokens else "")
                     self.say(f"  {m.name:10s} {b.name:10s} prefill {row.prefill_tps:8.1f} tok/s  decode "
                              f"{row.decode_tps:7.1f} tok/s  speculative {row.speculative_tps:7.1f} tok/s  "
-                             f"tau {row.tau:5.2f}  ({row.speedup:.2f}x; cost-aware {row.adaptive_speedup:.2f}x){fewer}")
+                             f"tau {row.tau:5.2f}  ({row.speedup:.2f}x; cost-aware {row.adaptive_speedup:.2f}x)  "
+                             f"verify-16 = {row.verify16_steps:.2f} decode steps{fewer}")
 
     def tau_sweep(self, backends, models) -> None:
         self.say("\n== speed-up vs tau (scripted draft) ==")
@@ -222,8 +223,8 @@ class Bench:
                                             min(len(row.tokens), len(mine["tokens"])))
                 self.results.peer.append(d)
                 self.say(f"  {m.name:10s} {row.engine} ({row.threads} threads) prefill {row.prefill_tps:8.1f} tok/s"
-                         f"  decode {row.decode_tps:7.1f} tok/s  greedy tokens equal ours ({mine['backend']}): "
-                         f"{d['matching_tokens']}/{row.generated_tokens}")
+                         f"  decode {row.decode_tps:7.1f} tok/s  verify-16 = {row.verify16_steps:.2f} decode steps  "
+                         f"greedy tokens equal ours ({mine['backend']}): {d['matching_tokens']}/{row.generated_tokens}")
 
     def run(self) -> Results:
         suites = self.args.suites.split(",")

@@ -1,9 +1,11 @@
 """End to end on one backend and model pair: prefill tokens/s, target-only decode tokens/s,
-speculative tokens/s with 15 proposals every round and with the cost-aware length, and tau,
+speculative tokens/s with 15 proposals every round and with the cost-aware length, tau, and
+what a 16-row verify costs in decode steps (the figure DFlash's speed-up divides by),
 through the same compile + load path users take. Greedy, so the speculative tokens must
 equal the target-only ones: a run where they differ is an error, not a number."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ class EndToEnd:
     accept_hist: dict[int, int]
     prompt_ids: list[int]
     tokens: list[int]
+    verify16_steps: float        # one 16-row verify's time over one decode step's (medians)
 
     @property
     def speedup(self) -> float:
@@ -80,7 +83,25 @@ def run_end_to_end(backend: str, model: BenchModel, work_dir: Path, *, prompt_to
     spec = runs[False]
     return EndToEnd(backend, model.name, len(ids), len(plain.tokens), plain.stats.prefill_tps, after_first_tps(plain),
                     after_first_tps(spec), after_first_tps(runs[True]), spec.stats.tau,
-                    dict(sorted(spec.stats.accept_hist.items())), list(ids), plain.tokens)
+                    dict(sorted(spec.stats.accept_hist.items())), list(ids), plain.tokens,
+                    verify_cost_in_decode_steps(engine.target, ids, repeats=3 if n < max_tokens else 5))
+
+
+def verify_cost_in_decode_steps(target, ids, *, rows: int = 16, repeats: int = 5) -> float:
+    """Median time of a `rows`-row verify (greedy ids read back, one row committed) over the
+    median time of a decode step, alternated on top of the prompt."""
+    target.reset()
+    target.prefill(ids)
+    decode, verify = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        np.asarray(target.decode(int(ids[i % len(ids)])).greedy)
+        t1 = time.perf_counter()
+        np.asarray(target.verify(ids[:rows]).greedy)
+        verify.append(time.perf_counter() - t1)
+        decode.append(t1 - t0)
+        target.commit(1)
+    return float(np.median(verify) / np.median(decode))
 
 
 def after_first_tps(gen) -> float:

@@ -43,6 +43,7 @@ class PeerResult:
     prefill_tps: float
     decode_tps: float
     tokens: list[int]
+    verify16_steps: float  # a 16-token batch (all rows' logits) over one decode step, medians
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,7 +126,7 @@ def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens:
 
     threads = threads or os.cpu_count() or 1
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=max(len(prompt_ids), 32), n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+                          n_threads_batch=threads, logits_all=True, verbose=False)
     n_vocab = llm.n_vocab()
 
     def last_logits() -> np.ndarray:
@@ -143,11 +144,25 @@ def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens:
             tokens.append(int(np.argmax(last_logits())))
         return tokens, prefill, time.perf_counter() - t0
 
+    def verify_steps(repeats: int = 5) -> float:
+        """A 16-token batch with every row's logits (what a DFlash verify asks) vs one decode step."""
+        decode, batch = [], []
+        for i in range(repeats):  # from the prompt each time: a recurrent state cannot drop rows
+            llm.reset()
+            llm.eval(list(prompt_ids))
+            t0 = time.perf_counter()
+            llm.eval([int(prompt_ids[i % len(prompt_ids)])])
+            t1 = time.perf_counter()
+            llm.eval([int(t) for t in prompt_ids[:16]])
+            batch.append(time.perf_counter() - t1)
+            decode.append(t1 - t0)
+        return float(np.median(batch) / np.median(decode))
+
     generate(4)
     tokens, prefill_s, decode_s = generate(max_tokens)
     return PeerResult("llama.cpp " + llama_cpp.__version__, model_name, threads, len(prompt_ids), len(tokens),
                       len(prompt_ids) / prefill_s, (len(tokens) - 1) / decode_s if decode_s else 0.0,
-                      tokens).to_dict()
+                      tokens, verify_steps()).to_dict()
 
 
 if __name__ == "__main__":  # `--build-command` prints the rebuild; otherwise one request on stdin

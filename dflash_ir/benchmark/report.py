@@ -35,6 +35,10 @@ class Results:
         return max(figures) if figures else None
 
 
+def _steps(row: dict) -> str:
+    return f"{row['verify16_steps']:.2f}" if row.get("verify16_steps") is not None else ""
+
+
 def _pct(x: float | None) -> str:
     return "" if x is None or math.isnan(x) else f"{x:.0%}"
 
@@ -63,14 +67,16 @@ def markdown(r: Results) -> str:
     if r.e2e or r.peer:
         rows = [[e["model"], e["backend"], e["prompt_tokens"], e["generated_tokens"], f"{e['prefill_tps']:.1f}",
                  f"{e['decode_tps']:.1f}", f"{e['speculative_tps']:.1f}", f"{e['tau']:.2f}", f"{e['speedup']:.2f}x",
-                 f"{e['adaptive_tps']:.1f}", f"{e['adaptive_speedup']:.2f}x"] for e in r.e2e]
+                 f"{e['adaptive_tps']:.1f}", f"{e['adaptive_speedup']:.2f}x", _steps(e)] for e in r.e2e]
         rows += [[p["model"], p["engine"] + f" ({p['threads']} threads)", p["prompt_tokens"], p["generated_tokens"],
-                  f"{p['prefill_tps']:.1f}", f"{p['decode_tps']:.1f}", "", "", "", "", ""] for p in r.peer]
+                  f"{p['prefill_tps']:.1f}", f"{p['decode_tps']:.1f}", "", "", "", "", "", _steps(p)] for p in r.peer]
         out += ["## End to end (greedy)", "", "decode = target-only; speculative = 15 proposals every round; "
                 "cost-aware = the length the engine chooses from its measured costs; speculative output was checked "
-                "equal to target-only output. A slow backend generates fewer tokens (what fits in about a minute).", "",
-                _table(["model", "engine", "prompt", "generated", "prefill tok/s", "decode tok/s", "speculative tok/s",
-                        "tau", "spec/decode", "cost-aware tok/s", "cost-aware/decode"], rows), ""]
+                "equal to target-only output. A slow backend generates fewer tokens (what fits in about a minute). "
+                "verify-16 = one 16-row verify (llama.cpp: a 16-token batch with every row's logits) in decode steps.",
+                "", _table(["model", "engine", "prompt", "generated", "prefill tok/s", "decode tok/s",
+                            "speculative tok/s", "tau", "spec/decode", "cost-aware tok/s", "cost-aware/decode",
+                            "verify-16 (decode steps)"], rows), ""]
         matches = [f"{p['model']}: llama.cpp's greedy tokens equal ours ({p['compared_with']}) for "
                    f"{p['matching_tokens']}/{p['generated_tokens']}"
                    for p in r.peer if "matching_tokens" in p]

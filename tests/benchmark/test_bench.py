@@ -75,10 +75,11 @@ def test_quick_run_writes_consistent_json_markdown_and_plots(tmp_path):
     runs = r["e2e"]
     assert [e["backend"] for e in runs] == backends
     assert all(e["tau"] >= 1 and e["decode_tps"] > 0 and e["speculative_tps"] > 0 and e["adaptive_tps"] > 0
-               for e in runs)
+               and e["verify16_steps"] > 0 for e in runs)
     assert all(e["tokens"] == runs[0]["tokens"] for e in runs)  # greedy: every backend, the same tokens
     md = (out / "results.md").read_text()
     assert "## Kernels" in md and "## End to end (greedy)" in md and "| synthetic-small | numpy |" in md
+    assert "verify-16 (decode steps)" in md
     for png in ("throughput.png", "roofline.png", "speedup_vs_tau.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -110,7 +111,7 @@ def test_llama_cpp_greedy_tokens_equal_ours_on_the_synthetic_model(tmp_path):
     except PeerCrashed as e:  # an install that does not run on this CPU, not a wrong answer
         pytest.skip(str(e))
     assert theirs.tokens == ours.tokens
-    assert theirs.prefill_tps > 0 and theirs.decode_tps > 0
+    assert theirs.prefill_tps > 0 and theirs.decode_tps > 0 and theirs.verify16_steps > 0
 
 
 def test_tau_suite_measures_every_acceptance_length_with_both_lengths(tmp_path):

@@ -6,7 +6,8 @@ job, else a decode step or a speculative round). A round stops at its verify: th
 draft has run and its block waits. With `batch` (the default) the waiting blocks are then
 verified together, in passes of the batched verify programs the artifact holds (2 and 4
 sequences: artifact.VERIFY_SLOTS; the most blocks per pass first, a lone block left over on
-the single verify), one target pass and one weight read for all of them, and each slot takes
+the single verify), one target pass and one product launch per weight for all of them
+(whose kernels still read a weight once per 16-row group: kernels/linalg.py), and each slot takes
 its rows' result to accept, commit and deliver its tokens. Blocks shorter than the draft's
 block are padded (target_runner.verify_together), so slots at any positions and any round
 lengths share a pass; a block whose padding would run past the context is verified alone.

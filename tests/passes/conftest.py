@@ -40,6 +40,11 @@ def sample_call(graph, rows: int, seed: int = 0):
     values = dict(tokens=rng.integers(0, 300, rows).astype(np.int32),
                   positions=np.arange(start, start + rows, dtype=np.int32), pos=np.int32(start),
                   kv_len=np.int32(start + rows), logit_rows=np.arange(rows, dtype=np.int32))
+    sequences = graph.meta_dict.get("slots", 0)
+    for j in range(sequences):  # a batched verify: sequence j's rows after 3 + j cached
+        at, per = start + j, rows // sequences
+        values.update({f"s{j}.positions": np.arange(at, at + per, dtype=np.int32), f"s{j}.pos": np.int32(at),
+                       f"s{j}.kv_len": np.int32(at + per)})
     inputs = {v.name: values[v.name] if v.name in values else
               rng.standard_normal(v.type.concrete({"S": rows, "T": rows})).astype(np.float32) for v in graph.inputs}
     states = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in zero_states(graph, CTX).items()}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -205,12 +205,34 @@ def tiny_draft_config(target_cfg: TargetConfig, **overrides: Any) -> DraftConfig
 # -- plans ----------------------------------------------------------------------------------
 
 
-@dataclass
 class PlannedTensor:
-    """Float32 values (numpy order) and the type they are stored as."""
+    """Float32 values (numpy order) and the type they are stored as. A generated tensor's
+    values are made when first read, from the random generator's state recorded when it was
+    planned, and kept from then on (edits stick); `write_gguf` makes an unread tensor's values
+    for its own write only, so a plan larger than memory is written one tensor at a time."""
 
-    values: np.ndarray
-    dtype: DType
+    def __init__(self, values: np.ndarray | None, dtype: DType, *, make: Callable[[], np.ndarray] | None = None,
+                 shape: tuple[int, ...] | None = None):
+        self._values, self._make, self.dtype = values, make, dtype
+        self._shape = tuple(values.shape) if values is not None else tuple(shape)
+
+    @property
+    def values(self) -> np.ndarray:
+        if self._values is None:
+            self._values = self._make()
+        return self._values
+
+    @values.setter
+    def values(self, values: np.ndarray) -> None:
+        self._values, self._shape = values, tuple(values.shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    def values_to_write(self) -> np.ndarray:
+        """The values, made for this call (and not kept) when nothing has read them yet."""
+        return self._values if self._values is not None else self._make()
 
 
 @dataclass
@@ -301,11 +323,15 @@ def write_gguf(path: str | os.PathLike[str], plan: GGUFPlan) -> Path:
     for key, value in meta.items():
         writer.add_key_value(key, *_gguf_value(value))
     for name, t in plan.tensors.items():
-        raw_dtype = gguf.GGMLQuantizationType(_GGML_IDS[t.dtype])
-        writer.add_tensor(name, quant.quantize(t.values, t.dtype), raw_dtype=raw_dtype)
+        stored = quant.storage_shape(t.shape, t.dtype)
+        item = np.dtype(t.dtype.numpy()).itemsize
+        writer.add_tensor_info(name, stored, t.dtype.numpy(), math.prod(stored) * item,
+                               raw_dtype=gguf.GGMLQuantizationType(_GGML_IDS[t.dtype]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for t in plan.tensors.values():  # one tensor's values in memory at a time
+        writer.write_tensor_data(quant.quantize(t.values_to_write(), t.dtype))
     writer.close()
     return path
 
@@ -343,7 +369,9 @@ def _plan(
                 f"{stored.block_size}; llama.cpp would fall back to F16 for it. Choose sizes divisible by "
                 f"{stored.block_size} for {dtype} files"
             )
-        tensors[tname] = PlannedTensor(_init(rng, tname, shape), stored)
+        state = rng.bit_generator.state
+        _init(rng, tname, shape)  # moves the generator past this tensor, as making it would
+        tensors[tname] = PlannedTensor(None, stored, make=partial(_replay, state, tname, shape), shape=shape)
     if quantize_layout:
         tensors = dict(sorted(tensors.items(), key=lambda kv: (_block_of(kv[0]), kv[0])))
     general = {
@@ -364,6 +392,13 @@ def _file_type(dtype: str) -> int:
     if dtype not in FILE_TYPES:
         raise ValueError(f"unsupported file dtype {dtype!r} (supported: {', '.join(FILE_TYPES)})")
     return FILE_TYPES[dtype][1]
+
+
+def _replay(state: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The values `_init` made from the generator in `state`."""
+    bits = np.random.PCG64()
+    bits.state = state
+    return _init(np.random.Generator(bits), name, shape)
 
 
 def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -398,11 +433,11 @@ def _size_label(tensors: Mapping[str, PlannedTensor]) -> str:
     total = shared = experts = 0
     counts = []
     for name, t in tensors.items():
-        size = t.values.size
+        size = math.prod(t.shape)
         total += size
-        if "_exps." in name and t.values.ndim >= 3:
-            counts.append(t.values.shape[0])
-            experts += size // t.values.shape[0]
+        if "_exps." in name and len(t.shape) >= 3:
+            counts.append(t.shape[0])
+            experts += size // t.shape[0]
         else:
             shared += size
     n_expert = sum(counts) // len(counts) if counts else 0

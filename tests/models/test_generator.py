@@ -231,3 +231,49 @@ def test_tiny_configs_reject_inconsistent_overrides():
         tiny_target_config(n_head_kv=3)
     with pytest.raises(ValueError, match=r"tiny_draft_config: dflash.block_size = 1"):
         tiny_draft_config(tiny_target_config(), block_size=1)
+
+
+_WRITE_CHILD = r"""
+import math, sys
+from pathlib import Path
+from dflash_ir.models.generator import target_plan, tiny_target_config, write_gguf
+
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) << 10
+
+cfg = tiny_target_config("qwen35", vocab_size=4096, hidden=512, ff=1536, n_layer=32, n_head=4, ssm_d_state=64,
+                         ssm_dt_rank=8, ssm_inner=512, ssm_n_group=4)
+Path("/proc/self/clear_refs").write_text("5")  # the peak restarts here
+before = status("VmRSS")
+plan = target_plan(cfg, dtype="q8_0")
+write_gguf(Path(sys.argv[1]) / "t.gguf", plan)
+grew = status("VmHWM") - before
+sizes = [4 * math.prod(t.shape) for t in plan.tensors.values()]
+print(grew, sum(sizes), max(sizes))
+"""
+
+
+def test_writing_a_plan_holds_one_tensor_at_a_time(tmp_path):
+    """A plan's random values are made tensor by tensor as the file is written (so a model
+    larger than memory can be generated), not all at planning: planning and writing grow the
+    process by a few of its largest tensor (76 MiB here), not by the model (401 MiB of f32
+    values: 540 MiB when the plan held them all)."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _WRITE_CHILD, str(tmp_path)], capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr
+    grew, total, largest = map(int, child.stdout.split()[-3:])
+    bound = 6 * largest + (48 << 20)
+    assert total > 2 * bound  # a model whose values at once would not fit the bound
+    assert grew < bound, f"writing grew {grew >> 20} MiB for {total >> 20} MiB of values (largest {largest >> 20})"
+
+
+def test_planned_values_are_made_once_and_keep_edits():
+    plan = target_plan(tiny_target_config("qwen35"), dtype="f32", seed=5)
+    t = plan.tensors["blk.0.attn_norm.weight"]
+    first = t.values_to_write()
+    np.testing.assert_array_equal(first, t.values_to_write())  # made again from the same state: equal
+    t.values[:] = 2.0
+    np.testing.assert_array_equal(t.values_to_write(), np.full(t.shape, 2.0, np.float32))

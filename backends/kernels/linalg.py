@@ -27,7 +27,7 @@ from dflash_ir.quant import COLS_BLOCK_BYTES
 from .fused import fused_matmul_parts
 from .shapes import FLAT, cdiv, flat_launch, prod
 
-GEMV_ROWS = 16    # rows a GEMV work-group serves (as passes/specialise_matmul); more take the tiled GEMM
+GEMV_ROWS = 16    # rows a GEMV work-group sums at once, looping over groups of them (passes/specialise_matmul)
 GEMV_THREADS = 256
 TILE = 32         # GEMM output tile (TILE x TILE) and K step
 THREADS = 16      # GEMM work-group is THREADS x THREADS, each thread 2x2 outputs
@@ -131,20 +131,33 @@ def _q8_words(buf: Buffer, block: K, word: K) -> K:
     return buf.load(half, "u16") | (buf.load(half + 1, "u16") << 16)
 
 
-def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K, w: Buffer, wrows: tuple[K, ...],
+def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, w: Buffer, wrows: tuple[K, ...],
           x: Buffer, xrow: Callable[[K], K], store: Store, x_q8: bool = False,
           norm: tuple[Buffer, float] | None = None) -> None:
+    """Column n of all `count` rows, `rows` at a time: the work-group walks the groups of
+    rows itself, so a pass of several sequences reads each weight column from memory once
+    (the later groups find it in cache) and a row's sums do not depend on its group."""
+    red = kb.array("red", F32, rows * GEMV_THREADS, "local")
+    inv = kb.array("inv", F32, rows, "local") if norm else None
+    with kb.loop("r0", 0, count, rows) as r0:
+        _gemv_rows(kb, g, rows, count, n_total, n, r0, w, wrows, x, xrow, store, x_q8, norm, red, inv)
+        kb.barrier()  # the stores read `red` and `inv`, which the next group's rows overwrite
+
+
+def _gemv_rows(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K, w: Buffer,
+               wrows: tuple[K, ...], x: Buffer, xrow: Callable[[K], K], store: Store, x_q8: bool,
+               norm: tuple[Buffer, float] | None, red: Buffer, inv: Buffer | None) -> None:
     """Column n, rows r0 .. r0+rows-1 (< count): each lane accumulates its chunks for every
     row, then a tree reduction over the column's lanes. `wrows` are the weight rows of column
     n: one, or a gate row and an up row whose products are stored as silu(gate) * up.
     `xrow(row)` is the element offset of x's row. With `norm` (weight, eps) x is RMS-
-    normalised first: the weight scales x's elements, 1/RMS (computed once per work-group)
-    the sums. With x_q8 (x in Q8_0 blocks) a block's dot is an exact integer sum of dot4s,
-    scaled by both blocks' scales."""
+    normalised first: the weight scales x's elements, 1/RMS (computed once per group of
+    rows) the sums. With x_q8 (x in Q8_0 blocks) a block's dot is an exact integer sum of
+    dot4s, scaled by both blocks' scales."""
     L, S = g.lanes, len(wrows)
     lane, col = kb.lid(0), kb.lid(1)
-    red = kb.array("red", F32, rows * GEMV_THREADS, "local")
-    inv = _gemv_inverse_rms(kb, g, rows, count, r0, x, xrow, red, norm) if norm else None
+    if norm:
+        _gemv_inverse_rms(kb, g, rows, count, r0, x, xrow, red, norm, inv)
     acc = kb.array("acc", F32, rows * S)
     with kb.loop("r", 0, rows * S) as r:
         acc[r] = 0.0
@@ -224,12 +237,11 @@ def _gemv(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r0: K,
 
 
 def _gemv_inverse_rms(kb: KernelSpec, g: Gemv, rows: int, count: K, r0: K, x: Buffer, xrow: Callable[[K], K],
-                      red: Buffer, norm: tuple[Buffer, float]) -> Buffer:
-    """1/RMS of each of the work-group's x rows, all its threads summing squares in `red`
-    (free until the products are reduced), kept in local memory for the stores."""
+                      red: Buffer, norm: tuple[Buffer, float], inv: Buffer) -> None:
+    """1/RMS of each of the work-group's x rows r0 .. r0+rows-1 into `inv` (local), all its
+    threads summing squares in `red` (free until the products are reduced)."""
     k = dim(g.k)
     t = kb.let("t", kb.lid(1) * g.lanes + kb.lid(0))
-    inv = kb.array("inv", F32, rows, "local")
     with kb.loop("r", 0, rows) as r:
         xr = kb.let("xr", xrow(minimum(r0 + r, count - 1)))
         ss = kb.let("ss", 0.0)
@@ -245,7 +257,6 @@ def _gemv_inverse_rms(kb: KernelSpec, g: Gemv, rows: int, count: K, r0: K, x: Bu
     with kb.if_(t < rows):
         inv[t] = 1.0 / call("sqrt", red[t * GEMV_THREADS] / cast(F32, k) + float(norm[1]))
     kb.barrier()
-    return inv
 
 
 def _store(outs: list[Buffer], widths: list[int], res: Buffer | None) -> Store:
@@ -325,11 +336,10 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list,
         rows = min(fixed, GEMV_ROWS) if fixed else GEMV_ROWS
         kb, x, w, store = kernel("matmul_gemv", (g.lanes, g.cols))
         n_col = kb.let("n", kb.gid(0) * g.cols + kb.lid(1))
-        r0 = kb.let("r0", kb.gid(1) * rows)
         wrows = (n_col, n_col + n) if swiglu else (n_col,)
         normed = (kb.bind("norm", norm[0]), norm[1]) if norm else None
-        _gemv(kb, g, rows, M, N, n_col, r0, w, wrows, x, lambda row: cast(I64, row) * dim(k), store, x_q8, normed)
-        kb.launch([cdiv(N, g.cols), cdiv(M, rows)], when=None if fixed or form else M <= GEMV_ROWS)
+        _gemv(kb, g, rows, M, N, n_col, w, wrows, x, lambda row: cast(I64, row) * dim(k), store, x_q8, normed)
+        kb.launch([cdiv(N, g.cols)], when=None if fixed or form else M <= GEMV_ROWS)
     if gemm:
         assert not (norm or swiglu), "the GEMM takes no prologue or epilogue: fused_matmul lowers as its parts"
         kb, x, w, store = kernel("matmul_gemm", (THREADS, THREADS))
@@ -403,8 +413,12 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
             bufs["residual"] = kb.bind("residual", residual)
         names = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
         bufs["outs"] = [kb.bind(name, o, writes=True) for name, o in zip(names, outs)]
-        _tiles(kb, t, M, rows, per, bufs, items)
-        kb.launch([cdiv(const(t.units), per * items), cdiv(M, rows)],
+        # a call of a known row count (a batched verify's 64 rows) walks them all in each
+        # work-item, so a weight group is read from memory once per call; a prefill's rows
+        # spread over the grid, for the cores of larger machines
+        span = M if fixed is not None else const(rows)
+        _tiles(kb, t, M, rows, per, bufs, items, span)
+        kb.launch([cdiv(const(t.units), per * items), cdiv(M, span)],
                   when=None if fixed is not None else (M >= lo) & (M <= hi))
 
 
@@ -417,11 +431,11 @@ def tile_items(work_items: int) -> int:
     return items
 
 
-def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: int) -> None:
+def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: int, span: K) -> None:
     """CPU schedule of a product over Q8_0 weights packed 16 rows at a time: a work-item owns
-    R rows of x and P units (groups of 16 outputs, or gate/up pairs of groups) and keeps its
-    sums as 16-wide vectors in named registers (the tile is unrolled here: arrays indexed in
-    loops stay in memory on PoCL, at a third of the speed). Per input index it converts each
+    P units (groups of 16 outputs, or gate/up pairs of groups) and `span` rows of x, which it
+    takes R at a time, keeping the sums as 16-wide vectors in named registers (the tile is
+    unrolled here: arrays indexed in loops stay in memory on PoCL, at a third of the speed). Per input index it converts each
     group's 16 quants once, scaled by their blocks' scales (and the norm weight), and adds
     them times x, broadcast, to every row's sums: R FMAs per group load. Rows past M repeat
     row M-1 and are not stored. With a norm, a row's 1/RMS multiplies its sums at the end.
@@ -430,13 +444,19 @@ def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: in
     does not depend on how many rows share the call (batch invariance). With x in Q8_0 the
     products of a block are summed exactly (integer-valued floats below 2^24), then scaled by
     both blocks' scales."""
+    u0 = kb.let("u0", (kb.gid(0) * items + kb.lid(0)) * P)
+    kb.return_if(u0 >= t.units)
+    first = kb.let("first", kb.gid(1) * span)
+    with kb.loop("r0", first, minimum(first + span, M), R) as r0:
+        _tile_rows(kb, t, M, R, P, bufs, r0, u0)
+
+
+def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K) -> None:
+    """Rows r0 .. r0+R-1 of the work-item's units (_tiles)."""
     x, w = bufs["x"], bufs["w"]
     k, nb = t.k, t.k // 32
     x_q8 = t.x.type.dtype is DType.Q8_0
     V = F32.vec(COLS)
-    r0 = kb.let("r0", kb.gid(1) * R)
-    u0 = kb.let("u0", (kb.gid(0) * items + kb.lid(0)) * P)
-    kb.return_if(u0 >= t.units)
     rows = [kb.let(f"xr{r}", cast(I64, minimum(r0 + r, M - 1))) for r in range(R)]
     # the work-item's groups: unit u is group u, or gate group u and up group u + starts[1]
     slots = [(p, m) for p in range(P) for m in ((0, 1) if t.swiglu else (0,))]

@@ -502,6 +502,6 @@ def expert_matmul(ctx: NodeCtx) -> None:
         return
     n_col = kb.let("n", kb.gid(0) * g.cols + kb.lid(1))
     p = kb.let("p", kb.gid(1))
-    _gemv(kb, g, 1, const(1), dim(n), n_col, const(0), w, (cast(I64, ids[p]) * dim(n) + n_col,), x,
+    _gemv(kb, g, 1, const(1), dim(n), n_col, w, (cast(I64, ids[p]) * dim(n) + n_col,), x,
           lambda row: xrow(p), lambda row, col, value: store(p, col, value))
     kb.launch([cdiv(dim(n), g.cols), pairs])

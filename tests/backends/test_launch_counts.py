@@ -40,11 +40,17 @@ def graphs(tmp_path_factory):
     return open_pair(*_pair(tmp_path_factory.mktemp("launch-counts"), "q8_0"), opt_level=2).graphs
 
 
-def launched(graph, profile: str, rows: int) -> list[str]:
-    """The kernels one call at `rows` rows launches, in order (constant steps excluded)."""
+def launches(graph, profile: str, rows: int) -> list:
+    """The launches of one call at `rows` rows, in order (constant steps excluded), and the env
+    their sizes are evaluated in."""
     env = {"n_T": rows, "n_R": rows, "n_C": 64}
-    return [la.kernel for s in lower(graph, profile).steps if not s.constant
-            for la in s.launches if not la.when or compile_expr(la.when)(env)]
+    return [la for s in lower(graph, profile).steps if not s.constant
+            for la in s.launches if not la.when or compile_expr(la.when)(env)], env
+
+
+def launched(graph, profile: str, rows: int) -> list[str]:
+    """The kernels one call at `rows` rows launches, in order."""
+    return [la.kernel for la in launches(graph, profile, rows)[0]]
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
@@ -91,3 +97,16 @@ def test_a_prefill_attention_layer_writes_its_rows_then_attends(graphs, profile)
     attends = [i for i, k in enumerate(kernels) if k.startswith("fused_attention")]
     assert len(writes) == len(attends) == LAYERS - RECURRENT
     assert all(a == w + 1 for w, a in zip(writes, attends))
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_a_batched_verify_reads_each_weight_once(graphs, profile):
+    """dflash-serve's 4-sequence verify (64 rows) launches each product on the work-groups a
+    16-row verify's has: each work-group walks all rows of its output columns, so a weight is
+    read from memory once per pass, not once per sequence (the row loop is in the kernel)."""
+    def product_groups(name: str, rows: int) -> list[tuple[int, ...]]:
+        calls, env = launches(graphs[name], profile, rows)
+        return [tuple(compile_expr(g)(env) for g in la.groups) for la in calls if la.kernel.startswith("matmul_")]
+    single, batched = product_groups("target.verify", 16), product_groups("target.verify_s4", 64)
+    assert len(batched) == (PER_LAYER - 1) * LAYERS + 1
+    assert batched == single

@@ -20,6 +20,15 @@ from dflash_ir.ir import Graph
 from dflash_ir.program import Program, WeightLoader
 
 
+def host_cpu_flags() -> frozenset[str]:
+    """The host CPU's feature flags as /proc/cpuinfo names them (empty where it has none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(w for line in text.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split())
+
+
 class BackendUnavailable(RuntimeError):
     """The backend cannot run here; the message says why and what would fix it."""
 

@@ -43,6 +43,9 @@ ELEMENT = {DType.F32: "f32", DType.F16: "u16", DType.BF16: "u16", DType.I32: "i3
 
 LOWERINGS: dict[str, Callable[["NodeCtx"], None]] = {}  # op -> kernel builder
 PROFILES = ("gpu", "cpu")
+# instruction set extensions a device compiler may not target by itself, which kernels then
+# reach through their printer (kir.dpbusd); named as in /proc/cpuinfo
+ISA_EXTENSIONS = ("avx512_vnni",)
 
 
 class LoweringError(NotImplementedError):
@@ -80,6 +83,7 @@ class NodeCtxBase:
         self.node = node
         self.attr = node.attr
         self.profile = lowering.profile
+        self.isa = lowering.isa
         self.kind = lowering.graph.meta_dict.get("kind")  # the graph's: verify, block, decode, prefill ...
         self.row_streams = lowering.row_streams
         self.ins: list[Value] = [lowering.values[x] for x in node.inputs]
@@ -129,6 +133,10 @@ class NodeCtxBase:
         if name not in self._l.values:
             self._l.values[name] = Value(name, packed_type([self._l.values[r].type for r in roots]))
         return self._l.values[name]
+
+    @property
+    def graph(self) -> Graph:
+        return self._l.graph
 
     def is_input(self, v: Value) -> bool:
         return v.name in self._l.input_names
@@ -187,11 +195,17 @@ class Lowering:
     """One graph lowered node by node with the builders of `ctx_class`; the kernels they make
     are collected in plan.kernels (compile time only)."""
 
-    def __init__(self, graph: Graph, profile: str, ctx_class: type[NodeCtxBase], row_streams: int = 4):
+    def __init__(self, graph: Graph, profile: str, ctx_class: type[NodeCtxBase], row_streams: int = 4,
+                 isa: frozenset[str] = frozenset()):
         if profile not in PROFILES:
             raise ValueError(f"unknown device profile {profile!r}; known: {', '.join(PROFILES)}")
+        unknown = set(isa) - set(ISA_EXTENSIONS)
+        if unknown:
+            raise ValueError(f"unknown instruction set extensions {sorted(unknown)}; "
+                             f"known: {', '.join(ISA_EXTENSIONS)}")
         self.graph = graph
         self.profile = profile
+        self.isa = frozenset(isa)
         self.row_streams = row_streams
         self.ctx_class = ctx_class
         self.values = graph.values()
@@ -229,7 +243,8 @@ class Lowering:
         return self.plan
 
 
-def lower(graph: Graph, profile: str = "gpu", row_streams: int = 4) -> Plan:
-    """The launch plan of `graph` for a device class (raises LoweringError naming the first
-    node without a kernel)."""
-    return Lowering(graph, profile, NodeCtx, row_streams).run()
+def lower(graph: Graph, profile: str = "gpu", row_streams: int = 4, isa: frozenset[str] = frozenset()) -> Plan:
+    """The launch plan of `graph` for a device class and the instruction set extensions its
+    kernels may use (ISA_EXTENSIONS; raises LoweringError naming the first node without a
+    kernel)."""
+    return Lowering(graph, profile, NodeCtx, row_streams, isa).run()

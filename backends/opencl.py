@@ -10,6 +10,12 @@ together as one OpenCL program when compiling (which validates them) or on the f
 launch after a load (PoCL compiles a kernel again for every program holding it), and
 PoCL's disk cache (~/.cache/pocl, or $POCL_CACHE_DIR) lets the next process skip the compile.
 
+On a PoCL CPU device whose host has AVX-512 VNNI, Q8_0 products over Q8_0 activations (the
+`q8` numerics) sum each block with VPDPBUSD, reached by inline assembly: PoCL compiles for
+the CPU model it is told, and a VM that hides the model gets skylake-avx512, without VNNI.
+The manifest entry names the extension (`isa`) and a load on a CPU without it is refused;
+DFLASH_IR_VNNI=0 compiles without it.
+
 PoCL's worker threads are pinned to cores (POCL_AFFINITY=1, unless the environment says
 otherwise): unpinned, the kernel scheduler moves them, and a kernel of a millisecond takes
 twice as long or more (a 6144x1024 Q8_0 GEMV on 2 cores: 0.87 ms median unpinned, 0.36 ms
@@ -28,7 +34,9 @@ import numpy as np
 from dflash_ir.integrity import artifact_file
 from dflash_ir.ir import Graph
 
-from .base import BackendUnavailable, register_backend
+from dflash_ir.errors import ArtifactError
+
+from .base import BackendUnavailable, host_cpu_flags, register_backend
 from .compiled import CompiledBackend
 from .kir.build import FUNCTIONS
 from .kir.c import PRINTERS
@@ -167,11 +175,22 @@ class OpenCLBackend(CompiledBackend):
 
         return bool(_context()[2].type & cl.device_type.CPU)
 
+    def isa(self) -> frozenset[str]:
+        """The extensions kernels may reach beyond the device compiler's target: avx512_vnni on
+        a PoCL CPU device whose host has it (and AVX-512F, for the registers), unless
+        DFLASH_IR_VNNI=0."""
+        if os.environ.get("DFLASH_IR_VNNI") == "0" or self.unavailable_reason() or not self.device_is_cpu():
+            return frozenset()
+        if "Portable Computing Language" not in _context()[2].platform.name:
+            return frozenset()
+        flags = host_cpu_flags()
+        return frozenset({"avx512_vnni"}) if {"avx512f", "avx512_vnni"} <= flags else frozenset()
+
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         """One file per kernel plus the header; the graph's kernels are built when an OpenCL
         device is present, so a kernel the device rejects fails at compile time."""
-        profile = self.profile()
-        plan = lower(graph, profile)
+        profile, isa = self.profile(), self.isa()
+        plan = lower(graph, profile, isa=isa)
         dialect = PRINTERS[self.dialect]
         header = dialect.module_header(tuple(FUNCTIONS.values()))
         folder = Path(out_dir) / "kernels" / "opencl"
@@ -185,9 +204,15 @@ class OpenCLBackend(CompiledBackend):
         if self.unavailable_reason() is None:
             _LIBRARY.add(header, {n: dialect.kernel_source(k) for n, k in plan.kernels.items()})
             _LIBRARY.build_pending()
-        return {"dialect": self.dialect, "profile": profile, "sources": "kernels/opencl", "plan": plan.to_dict()}
+        return {"dialect": self.dialect, "profile": profile, "isa": sorted(isa), "sources": "kernels/opencl",
+                "plan": plan.to_dict()}
 
     def device_for(self, entry: Mapping[str, Any], artifact_dir: Path) -> CLDevice:
+        missing = sorted(set(entry.get("isa", ())) - host_cpu_flags())
+        if missing:
+            raise ArtifactError(f"{artifact_dir}: the OpenCL kernels were compiled for a CPU with "
+                                f"{', '.join(missing)}, which this CPU lacks (/proc/cpuinfo); recompile here "
+                                f"(or with DFLASH_IR_VNNI=0)")
         def source(name: str) -> str:
             return artifact_file(artifact_dir, f"{entry['sources']}/{name}.cl").read_text()
 

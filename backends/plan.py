@@ -22,6 +22,7 @@ each grid it is launched with together with the bytes each of its buffers must h
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -35,9 +36,10 @@ from dflash_ir.types import TensorType
 from .kir.ir import Kernel
 
 # weight layouts a kernel may ask for: name -> storage bytes in that layout
-LAYOUTS = {"q8_0_cols16": pack_q8_0_cols16, "as_stored": np.ascontiguousarray}
+LAYOUTS = {"q8_0_cols16": pack_q8_0_cols16, "q8_0_cols16_dp4": functools.partial(pack_q8_0_cols16, dp4=True),
+           "as_stored": np.ascontiguousarray}
 # rows of a matrix each layout packs together: a run of whole units packs on its own
-_ROW_UNIT = {"q8_0_cols16": COLS, "as_stored": 1}
+_ROW_UNIT = {"q8_0_cols16": COLS, "q8_0_cols16_dp4": COLS, "as_stored": 1}
 PART_BYTES = 8 << 20  # the most of a weight the runner reads and packs at once
 
 
@@ -57,11 +59,11 @@ def layout_parts(storage: np.ndarray, layout: str, part_bytes: int = PART_BYTES)
 
 def packed_bytes(types: Sequence[TensorType], layout: str) -> int:
     """Bytes of weights of `types` packed one after another in `layout` (what the runner
-    makes of them with LAYOUTS): q8_0_cols16 pads each matrix's rows to whole groups."""
+    makes of them with LAYOUTS): the q8_0_cols16 layouts pad each matrix's rows to whole groups."""
     total = 0
     for t in types:
         shape = storage_shape(t.shape, t.dtype)
-        if layout == "q8_0_cols16":
+        if _ROW_UNIT[layout] > 1:
             matrices, rows = math.prod(shape[:-2]), (shape[-2] if len(shape) > 1 else 1)
             total += matrices * -(-rows // COLS) * COLS * shape[-1]
         else:

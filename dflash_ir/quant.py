@@ -158,22 +158,29 @@ COLS = 16  # weight rows interleaved by pack_q8_0_cols16: one 16-wide vector per
 COLS_BLOCK_BYTES = COLS * 2 + COLS * 32  # a group's block: 16 f16 scales, then 32 x 16 quants
 
 
-def pack_q8_0_cols16(storage: np.ndarray) -> np.ndarray:
+def pack_q8_0_cols16(storage: np.ndarray, dp4: bool = False) -> np.ndarray:
     """Q8_0 rows (storage [n, K/32*34]) in groups of 16 rows, block by block: for group g and
     block b, at byte (g * nb + b) * 544, the 16 rows' f16 scales (32 bytes), then the quants
     for input index k = 32 b + kk at 32 + 16 kk + row (so one 16-byte load holds one input
     index for 16 outputs). Rows past n (to a multiple of 16) are zero: scales 0, quants 0.
     CPU kernels keep 16 outputs in one vector and stream each group's bytes in order. A stack
     of matrices (an expert bank, [E, n, K/32*34]) is packed matrix by matrix, each padded to
-    whole groups, so one expert's rows are a contiguous run of groups."""
+    whole groups, so one expert's rows are a contiguous run of groups.
+
+    `dp4`: the quants of four input indices side by side instead, at 32 + 64 (kk / 4) +
+    4 row + kk % 4, so a 64-byte load holds 16 outputs' 4-byte words for an integer dot
+    product instruction (x86 VPDPBUSD)."""
     rows = np.ascontiguousarray(storage, dtype=np.uint8)
     if rows.ndim > 2:
-        return np.concatenate([pack_q8_0_cols16(m) for m in rows.reshape(-1, *rows.shape[-2:])])
+        return np.concatenate([pack_q8_0_cols16(m, dp4) for m in rows.reshape(-1, *rows.shape[-2:])])
     rows = rows.reshape(-1, rows.shape[-1])
     nb = rows.shape[1] // DType.Q8_0.block_bytes
     padded = np.zeros((-(-len(rows) // COLS) * COLS, rows.shape[1]), np.uint8)
     padded[:len(rows)] = rows
     blocks = padded.reshape(-1, COLS, nb, DType.Q8_0.block_bytes)        # [g, row, b, 34]
     scales = blocks[..., :2].transpose(0, 2, 1, 3).reshape(-1, nb, COLS * 2)  # [g, b, row * 2]
-    quants = blocks[..., 2:].transpose(0, 2, 3, 1).reshape(-1, nb, COLS * 32)  # [g, b, kk * 16 + row]
+    if dp4:  # [g, b, kk / 4, row, kk % 4]
+        quants = blocks[..., 2:].reshape(-1, COLS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(-1, nb, COLS * 32)
+    else:    # [g, b, kk, row]
+        quants = blocks[..., 2:].transpose(0, 2, 3, 1).reshape(-1, nb, COLS * 32)
     return np.concatenate([scales, quants], axis=2).reshape(-1)

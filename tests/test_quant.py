@@ -146,3 +146,25 @@ def test_quantize_rejects_bad_input():
         quantize_q8_0(np.zeros((2, 40), np.float32))
     with pytest.raises(ValueError, match="cannot quantize to i32"):
         quantize(np.zeros(4), DType.I32)
+
+
+@pytest.mark.parametrize("dp4", [False, True])
+def test_q8_0_cols16_packs_each_quant_where_the_tiles_read_it(dp4):
+    """Group g, block b at byte (g * nb + b) * 544: 16 f16 scales, then quant (row, 32 b + kk)
+    at 32 + 16 kk + lane, or with dp4 at 32 + 64 (kk / 4) + 4 lane + kk % 4; rows padded."""
+    from dflash_ir.quant import COLS_BLOCK_BYTES, pack_q8_0_cols16
+
+    n, k = 21, 96
+    storage = quantize(np.random.default_rng(3).standard_normal((n, k)).astype(np.float32), DType.Q8_0)
+    blocks = storage.reshape(n, k // 32, 34)
+    packed = pack_q8_0_cols16(storage, dp4=dp4)
+    assert packed.size == 2 * (k // 32) * COLS_BLOCK_BYTES
+    for row in range(32):
+        g, lane = divmod(row, 16)
+        for b in range(k // 32):
+            at = (g * (k // 32) + b) * COLS_BLOCK_BYTES
+            want = blocks[row, b] if row < n else np.zeros(34, np.uint8)
+            assert bytes(packed[at + 2 * lane:at + 2 * lane + 2]) == bytes(want[:2])
+            for kk in range(32):
+                offset = 64 * (kk // 4) + 4 * lane + kk % 4 if dp4 else 16 * kk + lane
+                assert packed[at + 32 + offset] == want[2 + kk]

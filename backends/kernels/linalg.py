@@ -19,7 +19,7 @@ from dflash_ir.ops.specialised import OPS
 from dflash_ir.passes.specialise_matmul import GEMV_KINDS
 from dflash_ir.types import Dim
 
-from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, maximum, minimum, select, vsum
+from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, dpbusd, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, SIGMOID, q8_row_bytes, weight_at, weight_chunk
@@ -61,19 +61,27 @@ def embedding(ctx: NodeCtx) -> None:
     k = table.type.shape[1]
     ctx.check("index", ids, size=dim(table.type.shape[0]))
     tiled = ctx.profile == "cpu" and table.type.dtype is DType.Q8_0
-    packed = ctx.packed([table], "q8_0_cols16") if tiled else table
+    # the layout the tied output head's tiles read: theirs take Q8_0 x where the graph quantises
+    layout = tile_layout(ctx, any(n.op == "quantize_q8_0" for n in ctx.graph.nodes))
+    packed = ctx.packed([table], layout) if tiled else table
 
     def compute(kb, i, xs, out):
         row, col = xs[1][i / dim(k)], i % dim(k)
-        out[i] = _cols16_at(xs[0], row, col, k) if tiled else weight_at(table.type.dtype, xs[0], row, col, k)
+        out[i] = _cols16_at(xs[0], row, col, k, layout) if tiled else weight_at(table.type.dtype, xs[0], row, col, k)
     flat_launch(ctx, compute, inputs=[packed, ids])
 
 
-def _cols16_at(buf: Buffer, row: K, col: K, k: int) -> K:
-    """f32 value of element (row, col) of a Q8_0 weight in quant.pack_q8_0_cols16's layout."""
+def tile_layout(ctx: NodeCtx, x_q8: bool) -> str:
+    """The Q8_0 pack the CPU tiles read: the dp4 one where they sum Q8_0 x with VPDPBUSD."""
+    return "q8_0_cols16_dp4" if x_q8 and "avx512_vnni" in ctx.isa else "q8_0_cols16"
+
+
+def _cols16_at(buf: Buffer, row: K, col: K, k: int, layout: str) -> K:
+    """f32 value of element (row, col) of a Q8_0 weight in a quant.pack_q8_0_cols16 layout."""
     block = (cast(I64, row / COLS) * (k // 32) + col / 32) * COLS_BLOCK_BYTES
-    lane = row % COLS
-    return cast(F32, buf.load(block + 2 * COLS + (col % 32) * COLS + lane, "i8")) * buf.load(block / 2 + lane, "f16")
+    lane, kk = row % COLS, col % 32
+    at = (kk / 4) * 4 * COLS + lane * 4 + kk % 4 if layout == "q8_0_cols16_dp4" else kk * COLS + lane
+    return cast(F32, buf.load(block + 2 * COLS + at, "i8")) * buf.load(block / 2 + lane, "f16")
 
 
 @dataclass(frozen=True)
@@ -396,9 +404,10 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
                    norm: tuple[Value, float] | None = None, swiglu: bool = False) -> None:
     """Launch the CPU tiles of a product, one kernel per row-count bucket (TILES)."""
     t = Tiled(x, tuple(weights), tuple(outs), residual, norm, swiglu)
-    packed = ctx.packed(weights, "q8_0_cols16")
-    M = prod(x.type.shape[:-1])
     x_q8 = x.type.dtype is DType.Q8_0
+    layout = tile_layout(ctx, x_q8)
+    packed = ctx.packed(weights, layout)
+    M = prod(x.type.shape[:-1])
     fixed = M.arg if M.op == "const" else None
     for rows, groups, lo, hi in TILES[x_q8]:
         if fixed is not None and not lo <= fixed <= hi:
@@ -417,7 +426,7 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
         # work-item, so a weight group is read from memory once per call; a prefill's rows
         # spread over the grid, for the cores of larger machines
         span = M if fixed is not None else const(rows)
-        _tiles(kb, t, M, rows, per, bufs, items, span)
+        _tiles(kb, t, M, rows, per, bufs, items, span, layout == "q8_0_cols16_dp4")
         kb.launch([cdiv(const(t.units), per * items), cdiv(M, span)],
                   when=None if fixed is not None else (M >= lo) & (M <= hi))
 
@@ -431,27 +440,28 @@ def tile_items(work_items: int) -> int:
     return items
 
 
-def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: int, span: K) -> None:
+def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: int, span: K, dp4: bool) -> None:
     """CPU schedule of a product over Q8_0 weights packed 16 rows at a time: a work-item owns
     P units (groups of 16 outputs, or gate/up pairs of groups) and `span` rows of x, which it
     takes R at a time, keeping the sums as 16-wide vectors in named registers (the tile is
-    unrolled here: arrays indexed in loops stay in memory on PoCL, at a third of the speed). Per input index it converts each
-    group's 16 quants once, scaled by their blocks' scales (and the norm weight), and adds
-    them times x, broadcast, to every row's sums: R FMAs per group load. Rows past M repeat
-    row M-1 and are not stored. With a norm, a row's 1/RMS multiplies its sums at the end.
+    unrolled here: arrays indexed in loops stay in memory on PoCL, at a third of the speed).
+    Per input index it converts each group's 16 quants once, scaled by their blocks' scales
+    (and the norm weight), and adds them times x, broadcast, to every row's sums: R FMAs per
+    group load. Rows past M repeat row M-1 and are not stored. With a norm, a row's 1/RMS
+    multiplies its sums at the end.
 
     Every output's sum is the same sequence of FMAs whatever R and P are, so a row's result
     does not depend on how many rows share the call (batch invariance). With x in Q8_0 the
-    products of a block are summed exactly (integer-valued floats below 2^24), then scaled by
-    both blocks' scales."""
+    products of a block are summed exactly (integer-valued floats below 2^24, or VPDPBUSD's
+    integers with `dp4`), then scaled by both blocks' scales."""
     u0 = kb.let("u0", (kb.gid(0) * items + kb.lid(0)) * P)
     kb.return_if(u0 >= t.units)
     first = kb.let("first", kb.gid(1) * span)
     with kb.loop("r0", first, minimum(first + span, M), R) as r0:
-        _tile_rows(kb, t, M, R, P, bufs, r0, u0)
+        _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4)
 
 
-def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K) -> None:
+def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K, dp4: bool) -> None:
     """Rows r0 .. r0+R-1 of the work-item's units (_tiles)."""
     x, w = bufs["x"], bufs["w"]
     k, nb = t.k, t.k // 32
@@ -470,22 +480,27 @@ def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K
         def norm_at(i: K) -> K:
             return weight_at(t.norm[0].type.dtype, bufs["norm"], const(0), i, k)
     q8_x = (x, rows) if x_q8 else None
-    tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, b, kk: x[rows[r] * k + b * 32 + kk], norm_at, q8_x)
+    tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, b, kk: x[rows[r] * k + b * 32 + kk], norm_at, q8_x,
+              dp4)
     _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
 
 
 def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
                 x_at: Callable[[int, K, K], K], norm_at: Callable[[K], K] | None = None,
-                q8_x: tuple[Buffer, list[K]] | None = None) -> None:
+                q8_x: tuple[Buffer, list[K]] | None = None, dp4: bool = False) -> None:
     """The inner loops of a CPU tile (dense products and the expert products of kernels/moe.py):
     for Q8_0 blocks 0 .. nb-1 of each group j (its buffer, and the byte of its first block in
     quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r, b,
     kk)`: element 32 b + kk, f32) into the 16-wide sums acc[r, j], one FMA per input index in
     order (a row's sums are the same sequence of FMAs whatever R is). `norm_at(i)`: a norm
     weight folded into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first
-    element): exact integer block sums, scaled by both scales."""
+    element): exact integer block sums, scaled by both scales; with `dp4` (the weights in the
+    dp4 layout) the integer sums are VPDPBUSD's (_dp4_block_sums), the same integers."""
     V = F32.vec(COLS)
     G = len(groups)
+    if dp4:
+        _dp4_tile_sums(kb, groups, nb, acc, R, q8_x)
+        return
     with kb.loop("b", 0, nb) as b:
         at = [kb.let(f"at{j}", base + b * COLS_BLOCK_BYTES) for j, (_, base) in enumerate(groups)]
         scale = [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j, (w, _) in enumerate(groups)]
@@ -509,6 +524,39 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
                 dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
                 for j in range(G):
                     kb.set(acc[r, j], call("fma", dot[r, j], scale[j] * dx, acc[r, j]))
+
+
+SIGN_BYTES = -0x7F7F7F80  # 0x80808080: xor makes signed bytes q the unsigned bytes q + 128
+
+
+def _dp4_tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
+                   q8_x: tuple[Buffer, list[K]]) -> None:
+    """tile_sums over Q8_0 x with VPDPBUSD (unsigned x signed bytes, four per 32-bit lane):
+    x's quants q go in as q + 128, so each block's sum is dpbusd(q + 128, w) - 128 sum(w), the
+    weights' sum taken with the same instruction on bytes of 1. Integers below 2^24 either
+    way, so the block sums, and everything after them, equal tile_sums' f32 ones bit for bit."""
+    V, I = F32.vec(COLS), I32.vec(COLS)
+    x, rows = q8_x
+    G = len(groups)
+    with kb.loop("b", 0, nb) as b:
+        at = [kb.let(f"at{j}", base + b * COLS_BLOCK_BYTES) for j, (_, base) in enumerate(groups)]
+        scale = [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j, (w, _) in enumerate(groups)]
+        xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
+        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, 0)) for key in acc}
+        wsum = [kb.let(f"wsum{j}", cast(I, 0)) for j in range(G)]
+        with kb.loop("k4", 0, 8, unroll=UNROLL) as k4:
+            wv = [kb.let(f"w{j}", w.load((at[j] + 2 * COLS) / 4 + k4 * COLS, "i32", COLS))
+                  for j, (w, _) in enumerate(groups)]
+            for j in range(G):
+                kb.set(wsum[j], dpbusd(wsum[j], cast(I, 0x01010101), wv[j]))
+            for r in range(R):
+                xv = kb.let(f"x{r}", cast(I, _q8_words(x, xb[r], k4) ^ SIGN_BYTES))
+                for j in range(G):
+                    kb.set(dot[r, j], dpbusd(dot[r, j], xv, wv[j]))
+        for r in range(R):
+            dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
+            for j in range(G):
+                kb.set(acc[r, j], call("fma", cast(V, dot[r, j] - wsum[j] * 128), scale[j] * dx, acc[r, j]))
 
 
 def _inverse_rms(kb: KernelSpec, x: Buffer, start: K, k: int, eps: float, r: int) -> K:

@@ -130,6 +130,14 @@ static inline float16 f16x16_to_f32(ushort16 h) {
   uint16 special = s | 0x7f800000u | (m << 13);
   return as_float16(select(select(normal, small, e == 0u), special, e == 0x7c00u));
 }
+#if defined(__x86_64__) && defined(__AVX512F__)
+/* VPDPBUSD by inline assembly: PoCL compiles for the CPU model the VM reports (skylake-avx512),
+   which has the registers but not the instruction; lowering uses it only where the host has it */
+static inline int16 dpbusd(int16 acc, int16 u, int16 s) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+#endif
 static inline float vsum2(float2 a) { return a.x + a.y; }
 static inline float vsum4(float4 a) { return vsum2(a.lo + a.hi); }
 static inline float vsum8(float8 a) { return vsum4(a.lo + a.hi); }
@@ -197,6 +205,8 @@ static inline float round_f16(float v) {
             return f"vload{n}(0, {p.name} + ({index}))"
         if view == "i8":
             return f"convert_int{n}(as_char{n}(vload{n}(0, {p.name} + ({index}))))"
+        if view == "i32" and p.ctype == "u8":  # 4-byte words of a byte buffer (index in words)
+            return f"vload{n}(0, {self._typed(p, 'int')} + ({index}))"
         if view == "f16":
             if n != 16:
                 raise ValueError("f16 vector loads are 16 wide")

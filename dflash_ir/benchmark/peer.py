@@ -24,6 +24,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dflash_ir.backends.base import host_cpu_flags
+
 INSTALL = "pip install llama-cpp-python (builds llama.cpp from source: ~10 min on 2 cores)"
 # llama.cpp built for this machine's x86-64 vector units without AMX (`make bench` uses it)
 PORTABLE_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON'
@@ -63,11 +65,7 @@ class PeerCrashed(RuntimeError):
 
 def portable_build_command() -> str:
     """The llama-cpp-python rebuild for this CPU: AVX2, plus AVX-512 where /proc/cpuinfo has it, never AMX."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
-    return PORTABLE_BUILD.format(avx512=AVX512 if {"avx512f", "avx512_vnni", "avx512_bf16"} <= flags else "")
+    return PORTABLE_BUILD.format(avx512=AVX512 if {"avx512f", "avx512_vnni", "avx512_bf16"} <= host_cpu_flags() else "")
 
 
 def run_llama_cpp(model_name: str, gguf: Path, prompt_ids: Sequence[int], max_tokens: int, *, n_ctx: int = 512,

@@ -74,9 +74,11 @@ def test_half16_conversion_is_exact_for_every_bit_pattern(run_opencl):
     np.testing.assert_array_equal(lanes[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
-def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path):
+@pytest.mark.parametrize("numerics", ["exact", "q8"])
+def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path, numerics):
     """A Q8_0 weight read by the CPU matmul and the embedding (a tied head) is uploaded once,
-    in the tiles' 16-row interleaved layout, and never in the GGUF's block layout."""
+    in the tiles' 16-row interleaved layout (the dp4 one where the q8 numerics' tiles sum with
+    VPDPBUSD: the embedding reads what the head reads), never in the GGUF's block layout."""
     import numpy as np
 
     from dflash_ir.backends.lowering import lower
@@ -90,15 +92,16 @@ def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path):
     table = b.weight("table", DType.Q8_0, (40, 64))
     h = b.embedding(table, b.input("ids", DType.I32, ("T",)))
     b.output("logits", b.matmul(h, b.dequantize(table)))
-    graph = run_pipeline(b.build())
-    plan = lower(graph, "cpu")
-    assert plan.packs == {"table@q8_0_cols16": (("table",), "q8_0_cols16")}
+    graph = run_pipeline(b.build(), numerics=numerics)
+    layout = "q8_0_cols16_dp4" if numerics == "q8" and "avx512_vnni" in opencl.isa() else "q8_0_cols16"
+    plan = lower(graph, "cpu", isa=opencl.isa())
+    assert plan.packs == {f"table@{layout}": (("table",), layout)}
     bound = {v for s in plan.steps for launch in s.launches for v in launch.buffers}
-    assert "table" not in bound and "table@q8_0_cols16" in bound
+    assert "table" not in bound and f"table@{layout}" in bound
     weights = {"table": quantize(np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32), DType.Q8_0)}
     program = opencl.load(graph, opencl.compile(graph, tmp_path), tmp_path, lambda w: weights[w.tensor])
     ids = np.array([3, 39, 0], np.int32)
     got = program.run({"ids": ids}).outputs["logits"]
     want = Interpreter(graph, lambda w: weights[w.tensor]).run({"ids": ids}).outputs["logits"]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    assert list(program._resident) == ["table@q8_0_cols16"]
+    assert list(program._resident) == [f"table@{layout}"]

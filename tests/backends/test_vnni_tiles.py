@@ -1,0 +1,76 @@
+"""The CPU tiles' VPDPBUSD path (backends/opencl.py: Q8_0 x Q8_0 block sums by inline assembly
+on a PoCL CPU device whose host has AVX-512 VNNI): the same integers as the f32 path's, so
+every output is bit-identical with and without it; only Q8_0-x products take it and its
+layout; other printers refuse such a kernel; an artifact that needs it is refused on a CPU
+without it."""
+import numpy as np
+import pytest
+
+from dflash_ir.backends.kir.c import PRINTERS
+from dflash_ir.backends.kir.glsl import BASELINE, UnsupportedKernel, render_glsl
+from dflash_ir.backends.lowering import lower
+from dflash_ir.errors import ArtifactError
+from kernel_cases import CASES
+
+VNNI = frozenset({"avx512_vnni"})
+Q8_X = [n for n in CASES if "q8_x" in n]
+
+
+def _graph(name):
+    return CASES[name].build().b.build()
+
+
+def test_only_products_over_q8_0_x_take_the_dp4_layout_and_vpdpbusd():
+    q8 = lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu", isa=VNNI)
+    assert [layout for _, layout in q8.packs.values()] == ["q8_0_cols16_dp4"]
+    source = "".join(PRINTERS["opencl"].kernel_source(k) for k in q8.kernels.values())
+    assert "dpbusd(" in source
+    f32 = lower(_graph("matmul_q8_0_16_rows"), "cpu", isa=VNNI)
+    assert [layout for _, layout in f32.packs.values()] == ["q8_0_cols16"]
+    assert "dpbusd(" not in "".join(PRINTERS["opencl"].kernel_source(k) for k in f32.kernels.values())
+    assert [layout for _, layout in lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu").packs.values()] == ["q8_0_cols16"]
+    with pytest.raises(ValueError, match="unknown instruction set extensions"):
+        lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu", isa=frozenset({"amx_int8"}))
+
+
+def test_other_printers_refuse_the_vnni_tiles():
+    """They read the dp4 words as the OpenCL printer alone does (a CPU-only layout)."""
+    kernel = next(k for k in lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu", isa=VNNI).kernels.values()
+                  if k.op == "matmul_tiles")
+    for dialect in ("cuda", "hip"):
+        with pytest.raises(ValueError, match="no i32 view of a u8 buffer"):
+            PRINTERS[dialect].kernel_source(kernel)
+    with pytest.raises(UnsupportedKernel, match="no i32 view of a u8 buffer 'w'"):
+        render_glsl(kernel, BASELINE)
+
+
+def test_an_artifact_needing_vnni_is_refused_on_a_cpu_without_it(monkeypatch, tmp_path):
+    from dflash_ir.backends import opencl
+
+    monkeypatch.setattr(opencl, "host_cpu_flags", lambda: frozenset({"avx512f"}))
+    with pytest.raises(ArtifactError, match="avx512_vnni, which this CPU lacks"):
+        opencl.OpenCLBackend().device_for({"isa": ["avx512_vnni"]}, tmp_path)
+
+
+@pytest.fixture
+def vnni(opencl, monkeypatch):
+    monkeypatch.setenv("DFLASH_IR_PROFILE", "cpu")
+    if "avx512_vnni" not in opencl.isa():
+        pytest.skip("the VPDPBUSD tiles need PoCL on a CPU device whose host has avx512f and avx512_vnni")
+    return opencl
+
+
+@pytest.mark.parametrize("name", Q8_X)
+def test_vnni_tiles_equal_the_f32_tiles_bit_for_bit(vnni, name, tmp_path, monkeypatch):
+    c = CASES[name].build()
+    graph = c.b.build()
+    outputs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("DFLASH_IR_VNNI", flag)
+        entry = vnni.compile(graph, tmp_path / flag)
+        assert entry["isa"] == (["avx512_vnni"] if flag == "1" else [])
+        program = vnni.load(graph, entry, tmp_path / flag, lambda w: c.weights[w.tensor])
+        outputs[flag] = program.run(c.inputs, c.states).outputs
+    for key, want in outputs["0"].items():
+        assert np.array_equal(np.asarray(outputs["1"][key]), np.asarray(want)), f"{name}: {key}"
+

@@ -359,6 +359,7 @@ COLS = 16         # outputs per vector in the CPU tiles (quant.pack_q8_0_cols16'
 TILE_ITEMS = 16   # work-items per work-group of the CPU tiles (fewer for small products) ...
 TILE_GROUPS = 8   # ... so that a product has at least this many work-groups for the cores to share
 UNROLL = 4        # the CPU tiles' inner loop unrolled this many times by the device compiler
+WALK_ROWS = 16    # rows a CPU tile's work-item walks at least (a verify block), in tiles of fewer
 # CPU register tiles: (rows, column groups, fewest rows, most rows) per x type (f32, Q8_0):
 # rows x groups vectors of sums (x groups more per block for Q8_0 x) stay in registers;
 # the longest tile serves every count past 16 rows (a prefill) in steps of its rows
@@ -423,9 +424,9 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
         names = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
         bufs["outs"] = [kb.bind(name, o, writes=True) for name, o in zip(names, outs)]
         # a call of a known row count (a batched verify's 64 rows) walks them all in each
-        # work-item, so a weight group is read from memory once per call; a prefill's rows
-        # spread over the grid, for the cores of larger machines
-        span = M if fixed is not None else const(rows)
+        # work-item, and any other at least a verify block's rows, so a weight group is read
+        # from memory once per block; a prefill's blocks spread over the grid
+        span = M if fixed is not None else const(max(rows, WALK_ROWS))
         _tiles(kb, t, M, rows, per, bufs, items, span, layout == "q8_0_cols16_dp4")
         kb.launch([cdiv(const(t.units), per * items), cdiv(M, span)],
                   when=None if fixed is not None else (M >= lo) & (M <= hi))

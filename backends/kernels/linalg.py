@@ -496,7 +496,7 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
     order (a row's sums are the same sequence of FMAs whatever R is). `norm_at(i)`: a norm
     weight folded into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first
     element): exact integer block sums, scaled by both scales; with `dp4` (the weights in the
-    dp4 layout) the integer sums are VPDPBUSD's (_dp4_block_sums), the same integers."""
+    dp4 layout) the integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers."""
     V = F32.vec(COLS)
     G = len(groups)
     if dp4:

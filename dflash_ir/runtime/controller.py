@@ -18,7 +18,8 @@ Decoding verifies nothing, so while it decodes the engine drafts in the shadow n
 it runs the draft block once and scores its proposals against the tokens the target then
 decodes, one per step, which is what a verify would have accepted, at the cost of a draft
 block and no verify. Each decode step earns EXPLORE of its cost as credit and a shadow draft
-spends the cost of a draft block; the first decode step of a controller's life has one ready,
+spends what it took (the block and the injects before it); the first decode step of a
+controller's life has one ready,
 so a draft that agrees is found within a block of tokens, and shadow drafts cost at most
 EXPLORE of the time spent decoding after that. When even a draft that is always right could
 not beat decoding (`can_pay` is false), the engine never drafts.
@@ -127,11 +128,16 @@ class LengthController:
 
     def decoding(self, idle: bool) -> bool:
         """Book a decode step; whether it also drafts in the shadow: when no shadow draft is
-        being scored (`idle`) and the credit pays for a block."""
-        draft = self.costs.draft * self.scale  # the table's, scaled as the rounds are
-        shadow = idle and self.credit >= draft
-        self.credit += EXPLORE * self.seconds[0] - (draft if shadow else 0.0)
+        being scored (`idle`) and the credit pays for a block (the table's draft time, scaled
+        as the rounds are). The engine then reports what the shadow took (`shadow_took`)."""
+        shadow = idle and self.credit >= self.costs.draft * self.scale
+        self.credit += EXPLORE * self.seconds[0]
         return shadow
+
+    def shadow_took(self, seconds: float) -> None:
+        """Charge a shadow draft's real time to the credit: the draft block and the injects
+        of the decoded rows it waited for (a table's draft time leaves those out)."""
+        self.credit -= seconds
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Record a round that verified `proposed` proposals and accepted `accepted`."""

@@ -218,6 +218,7 @@ class Engine:
                     with stats.timed("draft"):
                         feed.flush()
                         shadow = _Shadow(self.draft.propose(token)[:min(n_max, room - 1)])
+                    self.controller.shadow_took(time.perf_counter() - began)
                     stats.shadow_drafts += 1
                 with stats.timed("decode"):
                     out = self.target.decode(token)

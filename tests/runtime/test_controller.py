@@ -75,10 +75,29 @@ def test_shadow_drafts_spend_at_most_the_exploration_share_of_decoding():
     # block), later ones once 0.03 ms per step has paid for the next: n shadow drafts in N steps
     # cost n ms <= 1 + 0.03 N ms, and each comes as soon as it is paid for
     c = LengthController(_costs(lambda r: 1 + r / 4, decode=1, draft=1))
-    shadows = [c.decoding(idle=True) for _ in range(1000)]
+    shadows = _shadows(c, 1000, took=1 * MS)
     assert shadows[0] and not any(shadows[1:33])
     assert int(EXPLORE * 1000) <= shadows.count(True) <= 1 + EXPLORE * 1000
     assert not any(c.decoding(idle=False) for _ in range(100))  # one block is scored at a time
+
+
+def _shadows(c: LengthController, steps: int, took: float) -> list[bool]:
+    """Decode steps booked one after another; each shadow draft reports it took `took` s."""
+    shadows = []
+    for _ in range(steps):
+        shadows.append(c.decoding(idle=True))
+        if shadows[-1]:
+            c.shadow_took(took)
+    return shadows
+
+
+def test_a_shadow_draft_is_charged_what_it_took():
+    """The table says a draft block takes 1 ms; the shadow drafts really take 3 (the injects of
+    the rows decoded since the last one come first): they come a third as often, so they still
+    spend at most EXPLORE of the decoding time."""
+    c = LengthController(_costs(lambda r: 1 + r / 4, decode=1, draft=1))
+    shadows = _shadows(c, 3000, took=3 * MS)
+    assert 3 * shadows.count(True) <= 1 + EXPLORE * 3000 + 3
 
 
 def test_decode_steps_between_rounds_keep_the_draft_context_whole(agreeing_pair, scripted_lengths):
@@ -231,6 +250,9 @@ def test_shadow_drafts_are_paid_from_the_decode_time_observed():
     c = LengthController(_costs(lambda r: 5, decode=30, draft=4))
     shadows = 0
     for _ in range(200):
-        shadows += c.decoding(idle=True)
+        shadow = c.decoding(idle=True)
+        if shadow:
+            c.shadow_took(4 * MS)
+        shadows += shadow
         c.observe_seconds(0, 1 * MS)
     assert shadows <= 3

@@ -503,8 +503,7 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
         _dp4_tile_sums(kb, groups, nb, acc, R, q8_x)
         return
     with kb.loop("b", 0, nb) as b:
-        at = [kb.let(f"at{j}", base + b * COLS_BLOCK_BYTES) for j, (_, base) in enumerate(groups)]
-        scale = [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j, (w, _) in enumerate(groups)]
+        at, scale = _group_block(kb, groups, b)
         if q8_x:
             x, rows = q8_x
             dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(V, 0.0)) for key in acc}
@@ -527,6 +526,13 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
                     kb.set(acc[r, j], call("fma", dot[r, j], scale[j] * dx, acc[r, j]))
 
 
+def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[list[K], list[K]]:
+    """Each group's block b in a quant.pack_q8_0_cols16 layout: its first byte and its 16
+    scales."""
+    at = [kb.let(f"at{j}", base + b * COLS_BLOCK_BYTES) for j, (_, base) in enumerate(groups)]
+    return at, [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j, (w, _) in enumerate(groups)]
+
+
 SIGN_BYTES = -0x7F7F7F80  # 0x80808080: xor makes signed bytes q the unsigned bytes q + 128
 
 
@@ -540,8 +546,7 @@ def _dp4_tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, 
     x, rows = q8_x
     G = len(groups)
     with kb.loop("b", 0, nb) as b:
-        at = [kb.let(f"at{j}", base + b * COLS_BLOCK_BYTES) for j, (_, base) in enumerate(groups)]
-        scale = [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j, (w, _) in enumerate(groups)]
+        at, scale = _group_block(kb, groups, b)
         xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
         dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, 0)) for key in acc}
         wsum = [kb.let(f"wsum{j}", cast(I, 0)) for j in range(G)]

@@ -81,13 +81,16 @@ def test_shadow_drafts_spend_at_most_the_exploration_share_of_decoding():
     assert not any(c.decoding(idle=False) for _ in range(100))  # one block is scored at a time
 
 
-def _shadows(c: LengthController, steps: int, took: float) -> list[bool]:
-    """Decode steps booked one after another; each shadow draft reports it took `took` s."""
+def _shadows(c: LengthController, steps: int, took: float, step_seconds: float | None = None) -> list[bool]:
+    """Decode steps booked one after another; each shadow draft reports it took `took` s, and
+    each step `step_seconds` when given."""
     shadows = []
     for _ in range(steps):
         shadows.append(c.decoding(idle=True))
         if shadows[-1]:
             c.shadow_took(took)
+        if step_seconds is not None:
+            c.observe_seconds(0, step_seconds)
     return shadows
 
 
@@ -248,11 +251,4 @@ def test_shadow_drafts_are_paid_from_the_decode_time_observed():
     steps (the demo spent a third of its time on them); paid from the observed 1 ms, once the
     first two calls are done, one comes every 4 / 0.03 = 133 steps."""
     c = LengthController(_costs(lambda r: 5, decode=30, draft=4))
-    shadows = 0
-    for _ in range(200):
-        shadow = c.decoding(idle=True)
-        if shadow:
-            c.shadow_took(4 * MS)
-        shadows += shadow
-        c.observe_seconds(0, 1 * MS)
-    assert shadows <= 3
+    assert _shadows(c, 200, took=4 * MS, step_seconds=1 * MS).count(True) <= 3

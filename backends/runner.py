@@ -4,13 +4,13 @@ Program split); binding, allocating the planned buffers, host checks and launch 
 
 Per call: symbols are bound from the input and state shapes, inputs and states are copied
 to the device, the steps launch in order, outputs are copied back. On a device that can copy
-between its buffers, states stay there: updated states (and the per-row states a verify
-writes for rollback, graph meta "row_states") come back as `DeviceArray`s (a contract
+between its buffers, states stay there: updated states come back as `DeviceArray`s (a contract
 type, dflash_ir/program.py: a DeviceProgram is a `Program`), which the runtime indexes and
 passes back in, so a decode or verify round moves no state through the host; `np.asarray`
 reads one when asked. Outputs the caller names in `keep` stay on the device the same way
-(a verify's logits and tap features: a greedy round reads neither), and any program whose
-device shares the memory (`Device.memory`) takes them as inputs.
+(a verify's logits and tap features: a greedy round reads neither; the rows a commit
+replays), and any program whose device shares the memory (`Device.memory`) takes them as
+inputs.
 Weights are uploaded once (in the layout the kernels read: a packed copy where the plan
 asks for one, `plan.packs`), a part at a time, each part's pages of the mapped GGUF released
 once it is on the device, so a load holds one copy of the weights (the device's), not two;
@@ -92,7 +92,6 @@ class DeviceProgram:
         self._check_plan({s: 1 for s in self._symbols})
         self._run_constant_steps(resident)
         self._keeps_states = callable(getattr(device, "copy", None))
-        self._row_states = {v for _, v in graph.meta_dict.get("row_states", ())}
 
     # -- load time ----------------------------------------------------------------------
     def _constant_keys(self, weights: WeightLoader) -> dict[str, tuple]:
@@ -308,7 +307,7 @@ class DeviceProgram:
                 self.device.download(buffers[self._root(name)], out)
             return out
 
-        outputs = {name: read(value, name in self._row_states or name in keep) for name, value in self.graph.outputs}
+        outputs = {name: read(value, name in keep) for name, value in self.graph.outputs}
         new_states = {s.value.name: read(s.update, True) for s in self.graph.states if s.update is not None}
         return RunResult(outputs, new_states, bindings)
 

@@ -28,10 +28,12 @@ from .pair_checks import check_fits, check_text_processing, check_weights, resol
 from .serialize import YAML_DUMPER, GraphFormatError, dump_yaml, load_yaml
 
 FORMAT = "dflash-ir.artifact"
-FORMAT_VERSION = 6  # 2: target programs output their greedy ids; 3: the manifest's digest line;
+FORMAT_VERSION = 7  # 2: target programs output their greedy ids; 3: the manifest's digest line;
 #                     4: launch plans carry their memory plan (slots, buffers); 5: and kernel contracts;
-#                     6: batched verify programs (VERIFY_SLOTS) with a draft
+#                     6: batched verify programs (VERIFY_SLOTS) with a draft; 7: a commit program replays
+#                     the recurrent layers over the accepted rows (no per-row states)
 TARGET_PROGRAMS = ("prefill", "verify", "decode")
+COMMIT = "commit"  # the target's program for its recurrent layers' rollback, where it has such layers
 # sequences whose blocks one batched verify takes (`target.verify_s<S>`, block-size rows each):
 # dflash-serve verifies its busy slots' blocks together in passes of these sizes
 VERIFY_SLOTS = (2, 4)
@@ -130,6 +132,9 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
     tb = target_builder(tgt, tcfg)
     for kind in TARGET_PROGRAMS:
         pair.graphs[f"target.{kind}"] = tb.build(GraphSpec(kind, pair.taps, 1 if kind == "decode" else "T"))
+    commit = tb.commit()
+    if commit is not None:
+        pair.graphs[f"target.{COMMIT}"] = commit
     if draft is not None:
         for slots in VERIFY_SLOTS:
             pair.graphs[f"target.{batched_verify(slots)}"] = tb.build(
@@ -281,7 +286,8 @@ def load_graphs(path: Path, manifest: dict) -> dict:
 
     contents = verified_files(path, manifest["files"])
     drafted = "draft" in manifest["config"]
-    wanted = ({f"target.{k}" for k in TARGET_PROGRAMS} |
+    recurrent = any(manifest["config"]["target"]["layer_is_recurrent"])
+    wanted = ({f"target.{k}" for k in TARGET_PROGRAMS + ((COMMIT,) if recurrent else ())} |
               ({f"draft.{k}" for k in DRAFT_PROGRAMS} | {f"target.{batched_verify(s)}" for s in VERIFY_SLOTS}
                if drafted else set()))
     if set(manifest["programs"]) != wanted:

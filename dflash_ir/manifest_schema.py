@@ -44,6 +44,11 @@ def _sha256(v: Any) -> str | None:
     return None if isinstance(v, str) and _SHA256.match(v) else f"must be a sha256 hex digest, got {v!r}"
 
 
+def _flags(v: Any) -> str | None:
+    ok = isinstance(v, list) and all(isinstance(f, bool) for f in v)
+    return None if ok else f"must be a list of booleans, got {v!r}"
+
+
 def _dict(v: Any) -> str | None:
     return None if isinstance(v, dict) else f"must be a mapping, got {type(v).__name__}"
 
@@ -58,6 +63,7 @@ SCHEMA = {
     "config": {
         "n_ctx": _int(1, MAX_POSITIONS),
         "n_max": _int(0, MAX_BLOCK_SIZE - 1),
+        "target": {"layer_is_recurrent": _flags},
         "draft": _Optional({"block_size": _int(2, MAX_BLOCK_SIZE), "mask_token_id": _int(0, 2**31 - 1)}),
     },
     "programs": _Each({"graph": _str, "backend": _dict}),

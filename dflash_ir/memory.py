@@ -9,8 +9,7 @@ call: a prefill chunk of PREFILL_CHUNK rows, a verify or draft block of block-si
 Intermediate values come on top, so the total is a lower bound: a context it refuses
 cannot run, and a context it accepts gets this far before allocating. It is one sequence's
 need: a batched verify (graph meta "slots", dflash-serve's) takes other sequences' states,
-so its states and per-row states are not counted as this sequence's (its outputs are
-activations).
+so its states are not counted as this sequence's (its outputs are activations).
 """
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ class MemoryNeed:
     weights: int
     kv: int           # attention K/V caches (sized by the context)
     recurrent: int    # conv and Gated DeltaNet states (fixed per layer)
-    row_states: int   # what a verify writes per row for rollback: conv + recurrent states per row
     activations: int  # every other output of every program at its largest call
     n_ctx: int
 
@@ -47,21 +45,20 @@ class MemoryNeed:
 
     @property
     def total(self) -> int:
-        return self.weights + self.states + self.row_states + self.activations
+        return self.weights + self.states + self.activations
 
     def describe(self) -> str:
         return (f"{_gib(self.total)} (weights {_gib(self.weights)}, states {_gib(self.states)} for a context of "
                 f"{self.n_ctx} tokens: KV caches {_gib(self.kv)}, recurrent states {_gib(self.recurrent)}; "
-                f"per-row verify states {_gib(self.row_states)}, activations {_gib(self.activations)})")
+                f"activations {_gib(self.activations)})")
 
 
 def memory_need(graphs: Mapping[str, Graph], weight_bytes: Callable[[Weight], int], n_ctx: int,
                 block_size: int) -> MemoryNeed:
     """What the programs `graphs` ('target.*', 'draft.*') need with this context and block.
-    States sized by the capacity C are KV caches, the others recurrent; outputs a graph's
-    meta names as "row_states" are the per-row states of a verify."""
-    rows = {"prefill": min(PREFILL_CHUNK, n_ctx), "verify": block_size, "decode": 1, "inject": min(PREFILL_CHUNK, n_ctx),
-            "block": block_size}
+    States sized by the capacity C are KV caches, the others recurrent."""
+    rows = {"prefill": min(PREFILL_CHUNK, n_ctx), "verify": block_size, "commit": block_size, "decode": 1,
+            "inject": min(PREFILL_CHUNK, n_ctx), "block": block_size}
     weights = {(w.source, w.tensor): weight_bytes(w) for g in graphs.values() for w in g.weights}
     kv, recurrent = {}, {}
     for role, capacity in (("target", n_ctx), ("draft", n_ctx + block_size)):
@@ -69,18 +66,13 @@ def memory_need(graphs: Mapping[str, Graph], weight_bytes: Callable[[Weight], in
             for s in g.states if name.startswith(f"{role}.") and not g.meta_dict.get("slots") else ():
                 kind = kv if "C" in s.value.type.shape else recurrent
                 kind[role, s.value.name] = _nbytes(s.value, {"C": capacity})
-    row_states = activations = 0
+    activations = 0
     for name, g in graphs.items():
         t = rows[g.meta_dict.get("kind", name.split(".", 1)[1])]  # a batched verify's rows are static
         bindings = {"C": n_ctx + block_size, "T": t, "R": t, "S": t}
         values = g.values()
-        per_row = set() if g.meta_dict.get("slots") else {out for _, out in g.meta_dict.get("row_states", ())}
-        for out, v in g.outputs:
-            if out in per_row:
-                row_states += _nbytes(values[v], bindings)
-            else:
-                activations += _nbytes(values[v], bindings)
-    return MemoryNeed(sum(weights.values()), sum(kv.values()), sum(recurrent.values()), row_states, activations, n_ctx)
+        activations += sum(_nbytes(values[v], bindings) for _, v in g.outputs)
+    return MemoryNeed(sum(weights.values()), sum(kv.values()), sum(recurrent.values()), activations, n_ctx)
 
 
 def machine_memory() -> int:

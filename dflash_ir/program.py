@@ -72,10 +72,10 @@ class ArrayDevice(Protocol):
 
 class DeviceArray:
     """A state or output that stays in a device buffer between calls (bytes from `offset`),
-    valid until its program runs again. The runtime only takes rows of it (an int or a
-    step-1 slice of the first axis: a per-row state, the accepted rows' features), copies it
-    into another buffer of the same device, and passes it back in; any other use reads it
-    to the host first (`np.asarray`)."""
+    valid until its program runs again. The runtime only takes rows of it (a step-1 slice of
+    the first axis: the accepted rows' features, the rows a commit replays), copies it into
+    another buffer of the same device, and passes it back in; any other use reads it to the
+    host first (`np.asarray`)."""
 
     def __init__(self, device: ArrayDevice, buffer, shape: tuple[int, ...], dtype: np.dtype, offset: int = 0):
         self.device, self.buffer, self.offset = device, buffer, offset
@@ -89,18 +89,15 @@ class DeviceArray:
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __getitem__(self, i: int | slice) -> "DeviceArray":
+    def __getitem__(self, rows: slice) -> "DeviceArray":
+        if not isinstance(rows, slice):
+            raise IndexError(f"DeviceArray takes a slice of rows of its first axis, got {rows!r}")
+        start, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise IndexError(f"DeviceArray takes contiguous rows only, got step {step}")
         row_bytes = self.nbytes // len(self) if len(self) else 0
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                raise IndexError(f"DeviceArray takes contiguous rows only, got step {step}")
-            return DeviceArray(self.device, self.buffer, (max(0, stop - start), *self.shape[1:]), self.dtype,
-                               self.offset + start * row_bytes)
-        if not isinstance(i, (int, np.integer)) or not -len(self) <= i < len(self):
-            raise IndexError(f"DeviceArray supports an in-range int index or a slice on its first axis, got {i!r}")
-        return DeviceArray(self.device, self.buffer, self.shape[1:], self.dtype,
-                           self.offset + (int(i) % len(self)) * row_bytes)
+        return DeviceArray(self.device, self.buffer, (max(0, stop - start), *self.shape[1:]), self.dtype,
+                           self.offset + start * row_bytes)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)

@@ -2,8 +2,9 @@
 shared decoder (models/transformer.py) with Gated DeltaNet layers between the attention
 layers and, for `qwen35moe`, a routed MoE with a shared expert as the FFN.
 
-Gated DeltaNet layers run chunked in prefill and, in verify, emit per-row conv and
-recurrent states so the speculative loop can roll back to any row.
+Gated DeltaNet layers run chunked in prefill. A verify also outputs each such layer's input
+projections, the rows the `commit` graph replays the layer's recurrence on: the states after
+the accepted rows, computed as a decode of those rows computes them (runtime/target_runner.py).
 
 GGUF conventions honoured here (QWEN35.md §4, §11, §14): norms carry the `+1` already
 (except `ssm_norm`), `ssm_a` is -exp(A_log), value heads are in tiled order, the query
@@ -14,12 +15,16 @@ from __future__ import annotations
 
 import math
 
+from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
-from dflash_ir.ir import Value
+from dflash_ir.ir import Graph, Value
 
 from .transformer import GraphSpec, Slot, TargetBuilder
 
 GDN_CHUNK = 64
+# a Gated DeltaNet layer's input projections: what its recurrence reads of a row, and so what a
+# verify outputs for the commit to replay
+PROJECTIONS = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta")
 
 
 class Qwen35Builder(TargetBuilder):
@@ -33,6 +38,25 @@ class Qwen35Builder(TargetBuilder):
     def _ffn(self, b, i, x) -> Value:
         return self._moe(b, i, x) if self.cfg.n_expert else super()._ffn(b, i, x)
 
+    def commit(self) -> Graph:
+        """The Gated DeltaNet states after the first T rows of a verify, from the states before
+        it: each layer's recurrence run again on those rows' projections (inputs named as the
+        verify outputs them) exactly as the verify ran it, so the same fused kernel writes bit
+        for bit the states a decode of those rows writes. Each layer's output is an output too:
+        without it the layer would not be the layer the fusion pass recognises."""
+        cfg = self.cfg
+        widths = {"attn_qkv": cfg.conv_channels, "attn_gate": cfg.value_dim,
+                  "ssm_alpha": cfg.ssm_dt_rank, "ssm_beta": cfg.ssm_dt_rank}
+        b = GraphBuilder(f"{cfg.arch}.commit")
+        b.meta.update(arch=cfg.arch, kind="commit")
+        spec, alone = GraphSpec("commit"), Slot("", 0, None, None, None, None)  # a recurrence reads no positions
+        for i in range(cfg.n_layer):
+            if cfg.layer_is_recurrent[i]:
+                with b.scope(f"blk.{i}"):
+                    rows = {name: b.input(f"blk.{i}.{name}", DType.F32, ("T", widths[name])) for name in PROJECTIONS}
+                    b.output(f"blk.{i}.replayed", self._recurrence(b, i, spec, alone, rows.__getitem__))
+        return b.build()
+
     def _gated_deltanet(self, b, i, x, spec: GraphSpec, slots: list[Slot]) -> Value:
         """Each sequence's rows run the conv and the recurrence from its own states."""
         return self._per_sequence(b, i, x, slots, lambda slot, rows: self._recurrence(b, i, spec, slot, rows),
@@ -42,6 +66,9 @@ class Qwen35Builder(TargetBuilder):
         cfg = self.cfg
         Hk, Hv, dk, dv = cfg.ssm_n_group, cfg.ssm_dt_rank, cfg.ssm_d_state, cfg.ssm_d_state
         Kd, Vd, C, K = Hk * dk, Hv * dv, cfg.conv_channels, cfg.ssm_conv_kernel
+        if spec.kind == "verify":
+            for name in PROJECTIONS:
+                b.output(f"{slot.prefix}blk.{i}.{name}", rows(name))
         qkv = rows("attn_qkv")
         T = qkv.type.shape[0]
         z = rows("attn_gate")
@@ -50,8 +77,7 @@ class Qwen35Builder(TargetBuilder):
         g = b.mul(b.softplus(alpha), self._w(b, f"blk.{i}.ssm_a"), name="log_decay")
 
         conv_state = slot.state(b, f"blk.{i}.conv_state", DType.F32, (K - 1, C))
-        conv = b.causal_conv1d(qkv, self._w(b, f"blk.{i}.ssm_conv1d.weight"), conv_state,
-                               emit_row_states=spec.row_states, name="conv")
+        conv = b.causal_conv1d(qkv, self._w(b, f"blk.{i}.ssm_conv1d.weight"), conv_state, name="conv")
         b.update_state(conv_state, conv[1])
         mixed = b.silu(conv[0])
         q = b.l2norm(b.reshape(b.slice(mixed, axis=1, start=0, stop=Kd), shape=(T, Hk, dk)), eps=cfg.rms_eps, name="q")
@@ -61,13 +87,8 @@ class Qwen35Builder(TargetBuilder):
 
         ssm_state = slot.state(b, f"blk.{i}.ssm_state", DType.F32, (Hv, dk, dv))
         delta = b.gated_delta_rule(q, k, v, g, beta, ssm_state, scale=1.0 / math.sqrt(dk), head_map="tiled",
-                                   chunk_size=GDN_CHUNK if spec.chunked else 0,
-                                   emit_row_states=spec.row_states, name="delta")
+                                   chunk_size=GDN_CHUNK if spec.chunked else 0, name="delta")
         b.update_state(ssm_state, delta[1])
-        if spec.row_states:
-            for state, per_row in ((conv_state, conv[2]), (ssm_state, delta[2])):
-                b.output(f"{state.name}.rows", per_row)
-                b.meta.setdefault("row_states", []).append((state.name, f"{state.name}.rows"))
         o = b.rmsnorm(delta[0], self._w(b, f"blk.{i}.ssm_norm.weight"), eps=cfg.rms_eps)
         o = b.mul(o, b.silu(b.reshape(z, shape=(T, Hv, dv))), name="gated")
         return b.reshape(o, shape=(T, Vd))

@@ -3,8 +3,8 @@
 
 One builder serves every call shape the runtime needs:
 - prefill: T prompt rows (Gated DeltaNet in chunked form);
-- verify:  T rows on top of existing state (recurrent form, emitting per-row states so the
-           speculative loop can roll back to any row);
+- verify:  T rows on top of existing state (recurrent form; a target with recurrent layers
+           also has a `commit` graph that replays them over the accepted rows);
 - decode:  one row;
 - a batched verify: the blocks of `slots` sequences, `rows` (an int) each, stacked in one
   pass: embedding, projections, FFNs and the LM head run once over every row (one weight
@@ -42,7 +42,7 @@ from .gguf_file import GGUFFile
 class GraphSpec:
     """What one target graph computes. `rows` is the row count (a symbol or an int)."""
 
-    kind: str  # "prefill" | "verify" | "decode"
+    kind: str  # "prefill" | "verify" | "decode" ("commit": the recurrent layers alone, models/qwen35.py)
     taps: tuple[int, ...] = ()
     rows: int | str = "T"
     slots: int = 1  # sequences verified together (a verify of an int row count each)
@@ -50,10 +50,6 @@ class GraphSpec:
     @property
     def chunked(self) -> bool:
         return self.kind == "prefill"
-
-    @property
-    def row_states(self) -> bool:
-        return self.kind == "verify"
 
 
 @dataclass(frozen=True)
@@ -100,6 +96,11 @@ class TargetBuilder:
         return b.matmul(x, w)
 
     # -- graph ------------------------------------------------------------------------
+    def commit(self) -> Graph | None:
+        """The graph that brings states with no rows to trim to the accepted rows of a verify
+        (recurrent layers'); None where every layer is attention: trimming a KV cache is free."""
+        return None
+
     def build(self, spec: GraphSpec) -> Graph:
         cfg = self.cfg
         for t in spec.taps:

@@ -9,11 +9,10 @@ Three rules, each exact (the fused references compose the unfused ones):
    out of the conv output, normalises q and k and computes the decay and β itself;
 3. rmsnorm(fused_gated_delta_rule(causal_conv1d(x, w, conv_state, silu), ...), norm_w) * silu(z)
    (or swiglu(z, that)) -> fused_gated_deltanet(x, w, conv_state, ..., state, z, norm_w): the
-   conv, its state update and per-row conv states become outputs of the one node, whose
-   kernel convolves the channels each work-group reads, runs the recurrence and applies
-   each v head's RMSNorm and the silu(z) gate before storing. Only where the conv output and
-   the recurrence output have no other reader, the gate is elementwise (z of the output's
-   shape) and conv and recurrence emit per-row states alike.
+   conv and its state update become outputs of the one node, whose kernel convolves the
+   channels each work-group reads, runs the recurrence and applies each v head's RMSNorm
+   and the silu(z) gate before storing. Only where the conv output and the recurrence
+   output have no other reader and the gate is elementwise (z of the output's shape).
 
 Per layer and call that is the conv, 3 slices, 2 norms, silu, 4 gate ops, the output norm,
 silu and mul in the recurrence's one kernel: a decode token's Gated DeltaNet layer launches
@@ -79,15 +78,12 @@ _LAYER = (P("mul", _NORMED, P("silu", V("z"), one_use=True), commutative=True)
 
 def _fuse_layer(m, emit):
     conv, gdn = m.node("conv"), m.node("gdn")
-    emit_rows = gdn.attr.get("emit_row_states", False)
-    if conv.attr.get("emit_row_states", False) != emit_rows or m["z"].type != m["normed"].type:
+    if m["z"].type != m["normed"].type:
         return None
-    fused = emit.op("fused_gated_deltanet", *(m[n] for n in ("x", "w", "conv_state", "a", "b", "dt_bias", "ssm_a",
-                                                                "state", "z", "norm_w")),
-                    norm_eps=m.node("normed").attr["eps"], **gdn.attr)
-    y, conv_new, new, *rows = fused
-    return {m.value: y, conv.outputs[1]: conv_new, gdn.outputs[1]: new,
-            **dict(zip(conv.outputs[2:] + gdn.outputs[2:], rows))}
+    y, conv_new, new = emit.op("fused_gated_deltanet", *(m[n] for n in ("x", "w", "conv_state", "a", "b", "dt_bias",
+                                                                         "ssm_a", "state", "z", "norm_w")),
+                               norm_eps=m.node("normed").attr["eps"], **gdn.attr)
+    return {m.value: y, conv.outputs[1]: conv_new, gdn.outputs[1]: new}
 
 
 RULES = [

@@ -27,7 +27,7 @@ to the last position that reads it or any view of it:
 holds `bytes * prod(symbols)` (e.g. 1024 bytes per row of T), so one assignment is valid for
 every binding of the symbols. Two buffers share a slot only if they are never live at the
 same position, and a slot never holds both an input or state and an output or state update:
-the caller may pass an output back in (a state update, a verify's per-row states), and
+the caller may pass an output back in (a state update, the rows a commit replays), and
 inputs are written at BIND, possibly before that output is copied out of its slot.
 """
 from __future__ import annotations

@@ -249,10 +249,9 @@ case("kv_write_in_place", T=4, C=10)(lambda c: _kv_write(c, False))
 case("kv_write_copy", T=4, C=10)(lambda c: _kv_write(c, True))
 
 # -- Gated DeltaNet -----------------------------------------------------------------------
-for _t, _emit, _dt in ((1, False, F32), (5, True, F16)):
-    case(f"causal_conv1d_T{_t}_{'rows' if _emit else 'plain'}", T=_t)(
-        lambda c, emit=_emit, dt=_dt: c.out(*c.b.causal_conv1d(c.x("x", ("T", 37)), c.w("w", (37, 4), dt),
-                                                               c.s("state", (3, 37)), emit_row_states=emit)))
+for _t, _dt in ((1, F32), (5, F16)):
+    case(f"causal_conv1d_T{_t}_{_dt}", T=_t)(
+        lambda c, dt=_dt: c.out(*c.b.causal_conv1d(c.x("x", ("T", 37)), c.w("w", (37, 4), dt), c.s("state", (3, 37)))))
 
 
 def _conv_in_place(c: CaseBuilder) -> None:
@@ -263,11 +262,11 @@ def _conv_in_place(c: CaseBuilder) -> None:
 
 
 case("causal_conv1d_T1_in_place")(_conv_in_place)
-case("causal_conv1d_silu_rows", T=3)(lambda c: c.out(*c.b.causal_conv1d(
-    c.x("x", ("T", 37)), c.w("w", (37, 4)), c.s("state", (3, 37)), emit_row_states=True, activation="silu")))
+case("causal_conv1d_silu", T=3)(lambda c: c.out(*c.b.causal_conv1d(
+    c.x("x", ("T", 37)), c.w("w", (37, 4)), c.s("state", (3, 37)), activation="silu")))
 
 
-def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, emit: bool, update: bool = False):
+def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, update: bool = False):
     """update: the new state is the state's update (written in place) rather than an output."""
     def make(c: CaseBuilder) -> None:
         q = c.b.l2norm(c.x("q", ("T", hk, dk)), eps=1e-6)
@@ -276,70 +275,69 @@ def _gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, chunk: int, emit: bo
         beta = c.b.sigmoid(c.x("beta", ("T", hv)))
         state = c.s("state", (hv, dk, dv))
         _state_outputs(c, state, update, *c.b.gated_delta_rule(
-            q, k, c.x("v", ("T", hv, dv)), g, beta, state, scale=dk ** -0.5, head_map=head_map, chunk_size=chunk,
-            emit_row_states=emit))
+            q, k, c.x("v", ("T", hv, dv)), g, beta, state, scale=dk ** -0.5, head_map=head_map, chunk_size=chunk))
     return make
 
 
-def _state_outputs(c: CaseBuilder, state: Value, update: bool, o: Value, new: Value, *rows: Value) -> None:
+def _state_outputs(c: CaseBuilder, state: Value, update: bool, o: Value, new: Value) -> None:
     """A recurrence's outputs: the new state as the state's update (written in place) or as an output."""
     if update:
         c.b.update_state(state, new)
-        c.out(o, *rows)
+        c.out(o)
     else:
-        c.out(o, new, *rows)
+        c.out(o, new)
 
 
-case("gated_delta_rule_rows_tiled", T=5)(_gdn(2, 4, 16, 16, "tiled", 0, True))
-case("gated_delta_rule_grouped_dv40", T=3)(_gdn(1, 3, 32, 40, "grouped", 0, False))
-case("gated_delta_rule_chunked_tail", T=7)(_gdn(2, 2, 16, 16, "tiled", 4, False))
-case("gated_delta_rule_in_place_rows", T=4)(_gdn(2, 4, 16, 24, "grouped", 0, True, update=True))
-case("gated_delta_rule_in_place_dv20", T=1)(_gdn(1, 2, 16, 20, "tiled", 0, False, update=True))
+case("gated_delta_rule_tiled", T=5)(_gdn(2, 4, 16, 16, "tiled", 0))
+case("gated_delta_rule_grouped_dv40", T=3)(_gdn(1, 3, 32, 40, "grouped", 0))
+case("gated_delta_rule_chunked_tail", T=7)(_gdn(2, 2, 16, 16, "tiled", 4))
+case("gated_delta_rule_in_place_dv24", T=4)(_gdn(2, 4, 16, 24, "grouped", 0, update=True))
+case("gated_delta_rule_in_place_dv20", T=1)(_gdn(1, 2, 16, 20, "tiled", 0, update=True))
 
 
-def _fused_gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, emit: bool, update: bool):
+def _fused_gdn(hk: int, hv: int, dk: int, dv: int, head_map: str, update: bool):
     """The fused op from a conv output [T, q | k | v]; update as in _gdn."""
     def make(c: CaseBuilder) -> None:
         state = c.s("state", (hv, dk, dv))
         _state_outputs(c, state, update, *c.b.fused_gated_delta_rule(
             c.x("mixed", ("T", 2 * hk * dk + hv * dv)), c.x("a", ("T", hv)), c.x("b", ("T", hv)),
             c.w("dt_bias", (hv,)), c.b.neg(c.b.exp(c.w("a_log", (hv,)))), state, key_heads=hk, eps=1e-6,
-            scale=dk ** -0.5, head_map=head_map, emit_row_states=emit))
+            scale=dk ** -0.5, head_map=head_map))
     return make
 
 
-case("fused_gated_delta_rule_decode_in_place", T=1)(_fused_gdn(2, 4, 16, 16, "tiled", False, True))
-case("fused_gated_delta_rule_rows_grouped", T=4)(_fused_gdn(1, 2, 32, 24, "grouped", True, False))
+case("fused_gated_delta_rule_decode_in_place", T=1)(_fused_gdn(2, 4, 16, 16, "tiled", True))
+case("fused_gated_delta_rule_grouped", T=4)(_fused_gdn(1, 2, 32, 24, "grouped", False))
 
 
-def _gdn_layer(hk: int, hv: int, dk: int, dv: int, head_map: str, emit: bool, update: bool, conv_dtype: DType = F32,
+def _gdn_layer(hk: int, hv: int, dk: int, dv: int, head_map: str, update: bool, conv_dtype: DType = F32,
                norm_dtype: DType = F32):
     """The whole layer's op from the conv input [T, q | k | v]; update as in _gdn, for both states."""
     def make(c: CaseBuilder) -> None:
         channels = 2 * hk * dk + hv * dv
         conv_state, state = c.s("conv_state", (3, channels)), c.s("state", (hv, dk, dv))
-        y, conv_new, new, *rows = c.b.fused_gated_deltanet(
+        y, conv_new, new = c.b.fused_gated_deltanet(
             c.x("x", ("T", channels)), c.w("conv_w", (channels, 4), conv_dtype), conv_state, c.x("a", ("T", hv)),
             c.x("b", ("T", hv)), c.w("dt_bias", (hv,)), c.b.neg(c.b.exp(c.w("a_log", (hv,)))), state,
             c.x("z", ("T", hv, dv)), c.w("norm_w", (dv,), norm_dtype), key_heads=hk, eps=1e-6, norm_eps=1e-6,
-            scale=dk ** -0.5, head_map=head_map, emit_row_states=emit)
+            scale=dk ** -0.5, head_map=head_map)
         if update:
             c.b.update_state(conv_state, conv_new)
-            _state_outputs(c, state, True, y, new, *rows)
+            _state_outputs(c, state, True, y, new)
         else:
-            c.out(y, conv_new, new, *rows)
+            c.out(y, conv_new, new)
     return make
 
 
-case("fused_gated_deltanet_decode_in_place", T=1)(_gdn_layer(2, 4, 16, 16, "tiled", False, True))
-case("fused_gated_deltanet_verify_rows_in_place", T=5)(_gdn_layer(2, 4, 16, 16, "tiled", True, True, F16))
+case("fused_gated_deltanet_decode_in_place", T=1)(_gdn_layer(2, 4, 16, 16, "tiled", True))
+case("fused_gated_deltanet_verify_in_place", T=5)(_gdn_layer(2, 4, 16, 16, "tiled", True, F16))
 # 3 v heads per k head, dv 24 (a run of 3 CPU work-items per v head: reduced by a tree that is not a power of two)
-case("fused_gated_deltanet_grouped_dv24_rows", T=4)(_gdn_layer(1, 3, 32, 24, "grouped", True, False, BF16, BF16))
+case("fused_gated_deltanet_grouped_dv24", T=4)(_gdn_layer(1, 3, 32, 24, "grouped", False, BF16, BF16))
 # dv 20 and dk 12: no 8-wide CPU schedule, scalar q/k norms
-case("fused_gated_deltanet_tiled_dv20_dk12", T=3)(_gdn_layer(2, 4, 12, 20, "tiled", False, True))
-case("fused_gated_deltanet_one_v_head_per_k_head_dv40", T=2)(_gdn_layer(2, 2, 16, 40, "tiled", False, False))
+case("fused_gated_deltanet_tiled_dv20_dk12", T=3)(_gdn_layer(2, 4, 12, 20, "tiled", True))
+case("fused_gated_deltanet_one_v_head_per_k_head_dv40", T=2)(_gdn_layer(2, 2, 16, 40, "tiled", False))
 # 16 v heads of 128 per k head: one CPU work-group of 256, but parts' kernels on a GPU (over 1024 threads)
-case("fused_gated_deltanet_wide_k_head", T=2)(_gdn_layer(1, 16, 8, 128, "grouped", True, True))
+case("fused_gated_deltanet_wide_k_head", T=2)(_gdn_layer(1, 16, 8, 128, "grouped", True))
 
 # -- data movement ------------------------------------------------------------------------
 case("concat_axis1", T=3)(lambda c: c.out(c.b.concat(c.x("a", ("T", 4)), c.x("b", ("T", 7)), c.x("c", ("T", 1)), axis=1)))

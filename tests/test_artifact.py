@@ -39,7 +39,7 @@ def _copy(artifact, tmp_path):
 def test_compile_writes_a_manifest_that_pins_everything(artifact, pair):
     m = yaml.safe_load((artifact / "manifest.yaml").read_text())
     assert m["dflash_ir_version"] == __version__ and m["backend"]["name"] == "numpy"
-    assert set(m["programs"]) == {"target.prefill", "target.verify", "target.decode", "target.verify_s2",
+    assert set(m["programs"]) == {"target.prefill", "target.verify", "target.decode", "target.commit", "target.verify_s2",
                                   "target.verify_s4", "draft.inject", "draft.block"}
     assert m["sources"]["target"]["size"] == pair[0].stat().st_size and len(m["sources"]["draft"]["sha256"]) == 64
     assert set(m["files"]) == {f"graphs/{name}.yaml" for name in m["programs"]}
@@ -132,12 +132,12 @@ def test_cli_prints_progress_unless_quiet(pair, tmp_path, capsys):
     compile_args = [str(pair[0]), "-o", str(out), "-c", "64", "--backend", "opencl"]
     assert compile_cli.main(compile_args) == 0
     err = capsys.readouterr().err
-    for stage in ("reading", "memory needed: ", "[3/3] compiling target.decode", "hashing the source GGUFs", "done in"):
+    for stage in ("reading", "memory needed: ", "[3/4] compiling target.decode", "hashing the source GGUFs", "done in"):
         assert f"\ndflash-compile: {stage}" in "\n" + err, stage
     run_args = ["--artifact", str(out), "-p", "hi", "-n", "2", "--ignore-eos"]
     assert run_cli.main(run_args) == 0
     err = capsys.readouterr().err
-    for stage in ("checking", "memory needed: ", "[1/3] loading target.prefill on opencl", "weights 100%: "):
+    for stage in ("checking", "memory needed: ", "[1/4] loading target.prefill on opencl", "weights 100%: "):
         assert f"\ndflash-run: {stage}" in "\n" + err, stage
     weights = [line.split() for line in err.splitlines() if line.startswith("dflash-run: weights ")]
     percents = [int(words[2].rstrip("%:")) for words in weights]

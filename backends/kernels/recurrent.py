@@ -1,6 +1,5 @@
-"""Gated DeltaNet state ops: depthwise causal conv1d and the gated delta rule, both with
-optional per-row states (what a speculative verify rolls back to), and the whole layer
-between its projections (fused_gated_deltanet: conv, recurrence, output norm and gate) as
+"""Gated DeltaNet state ops: depthwise causal conv1d and the gated delta rule, and the whole
+layer between its projections (fused_gated_deltanet: conv, recurrence, output norm and gate) as
 one kernel on the gated delta rule's schedules."""
 from __future__ import annotations
 
@@ -22,21 +21,18 @@ from .shapes import FLAT, cdiv, pow2_threads
 class StateBuffers:
     """The buffers a recurrence kernel binds for one state: `old` where it reads the old
     state (the `state` input, or `new` itself when the update overwrites it), `out` its
-    output (if bound with the state), `new` the new state, and `rows` the state after every
-    row when the node emits it."""
+    output (if bound with the state) and `new` the new state."""
 
     old: Buffer
     out: Buffer | None
     new: Buffer
-    rows: Buffer | None
 
     @property
     def in_place(self) -> bool:
         return self.old is self.new
 
 
-def _bind_state(ctx: NodeCtx, kb: KernelSpec, state: Value, new_state: Value, rows: Value | None, *,
-                out: tuple[str, Value] | None = None, allowed: bool = True, prefix: str = "") -> StateBuffers:
+def _bind_state(ctx: NodeCtx, kb: KernelSpec, state: Value, new_state: Value, *, out: tuple[str, Value] | None = None, allowed: bool = True, prefix: str = "") -> StateBuffers:
     """Where allowed and nothing else reads the old state, the new state is written over it:
     the kernel then reads the old values through `new_state` and takes no `state` buffer."""
     in_place = allowed and ctx.can_overwrite(state)
@@ -45,14 +41,13 @@ def _bind_state(ctx: NodeCtx, kb: KernelSpec, state: Value, new_state: Value, ro
     old = None if in_place else kb.bind(f"{prefix}state", state)
     result = kb.bind(out[0], out[1], writes=True) if out else None
     new = kb.bind(f"{prefix}new_state", new_state, writes=True)
-    row_states = kb.bind(f"{prefix}row_states", rows, writes=True) if rows is not None else None
-    return StateBuffers(new if in_place else old, result, new, row_states)
+    return StateBuffers(new if in_place else old, result, new)
 
 
 def _bind_states(ctx: NodeCtx, kb: KernelSpec, state: Value, out_name: str, allowed: bool = True) -> StateBuffers:
-    """The state of a node whose outputs are (out, new state[, row states])."""
-    out, new_state, *rows = ctx.outs
-    return _bind_state(ctx, kb, state, new_state, rows[0] if rows else None, out=(out_name, out), allowed=allowed)
+    """The state of a node whose outputs are (out, new state)."""
+    out, new_state = ctx.outs
+    return _bind_state(ctx, kb, state, new_state, out=(out_name, out), allowed=allowed)
 
 
 @lowers("causal_conv1d")
@@ -80,13 +75,8 @@ def causal_conv1d(ctx: NodeCtx) -> None:
         r = kb.let("r", row + j)
         kb.set(acc, acc + xx(r) * weight_at(w_value.type.dtype, w, ch, j, width))
     states.out[i] = acc * call_function(SIGMOID, acc) if ctx.attr.get("activation", "none") == "silu" else acc
-    with kb.loop("e", 0, K1) as e:
-        r = kb.let("r", row + 1 + e)
-        v = kb.let("v", xx(r))
-        if states.rows is not None:
-            states.rows[(cast(I64, row) * K1 + e) * C + ch] = v
-        with kb.if_(row.eq(T - 1)):
-            states.new[e * C + ch] = v
+    with kb.if_(row.eq(T - 1)), kb.loop("e", 0, K1) as e:
+        states.new[e * C + ch] = xx(row + 1 + e)
     kb.launch([cdiv(T * C, FLAT)])
 
 
@@ -212,13 +202,9 @@ class Conv:
         return 2 * self.key_heads * self.dk + h * self.dv + c
 
     def write(self, kb: KernelSpec, ch: K) -> None:
-        """Channel ch of the state after each row (when emitted), then of the new state:
-        xx rows t+1 .. t+K-1, and T .. T+K-2 (rows of the old state are read before row
-        e is overwritten: e < T + e)."""
-        k1, c, rows = self.width - 1, self.channels, self.states.rows
-        if rows is not None:
-            with kb.loop("t", 0, self.T) as t, kb.loop("e", 0, k1) as e:
-                rows[(cast(I64, t) * k1 + e) * c + ch] = self.xx(t + 1 + e, ch)
+        """Channel ch of the new state: xx rows T .. T+K-2 (rows of the old state are read
+        before row e is overwritten: e < T + e)."""
+        k1, c = self.width - 1, self.channels
         with kb.loop("e", 0, k1) as e:
             self.states.new[e * c + ch] = self.xx(self.T + e, ch)
 
@@ -332,10 +318,6 @@ class DeltaRule:
         """Offset of row e of v head h's state."""
         return (cast(I64, h) * self.DK + e) * self.DV
 
-    def row_states_at(self, t: K) -> K:
-        """Offset of the state after token t in the per-row states."""
-        return cast(I64, t) * self.hv * self.DK * self.DV
-
     def out_row(self, t: K, h: K) -> K:
         return (cast(I64, t) * self.hv + h) * self.DV
 
@@ -381,8 +363,7 @@ def gated_deltanet(ctx: NodeCtx) -> None:
     otherwise), then the head's RMSNorm, reduced over its work-items, and the silu(z)
     gate. A k head whose v heads would not fit a work-group is lowered as the parts."""
     x, conv_w, conv_state, gate_a, gate_b, dt_bias, ssm_a, state, z, norm_w = ctx.ins
-    y, conv_new, new_state, *rows = ctx.outs
-    conv_rows, state_rows = rows or (None, None)
+    y, conv_new, new_state = ctx.outs
     t, hv, dv = y.type.shape
     dk = state.type.shape[1]
     hk = ctx.attr["key_heads"]
@@ -397,8 +378,8 @@ def gated_deltanet(ctx: NodeCtx) -> None:
         ("x", x), ("conv_w", conv_w), ("gate_a", gate_a), ("gate_b", gate_b), ("dt_bias", dt_bias), ("ssm_a", ssm_a),
         ("z", z), ("norm_w", norm_w)))
     conv = Conv(xb, wb, conv_w.type.dtype, conv_w.type.shape[1], x.type.shape[1], hk, dk, dv, dim(t),
-                _bind_state(ctx, kb, conv_state, conv_new, conv_rows, prefix="conv_"))
-    states = _bind_state(ctx, kb, state, new_state, state_rows, out=("o", y))
+                _bind_state(ctx, kb, conv_state, conv_new, prefix="conv_"))
+    states = _bind_state(ctx, kb, state, new_state, out=("o", y))
     reads = conv_reads(kb, conv, lambda t_, h: _gates(ab, bb, dtb, sab, hv, t_, h), float(ctx.attr["eps"]))
     norm = NormGate(kb.array("red", F32, per * seg, "local"), zb, nwb, norm_w.type.dtype, hv, dv,
                     float(ctx.attr["norm_eps"]), seg, per == 1)
@@ -416,14 +397,13 @@ def gated_deltanet_parts(ctx: NodeCtxBase) -> None:
     SiLU, fused_gated_delta_rule, rmsnorm and the gate. Written against `ctx.sub` alone, so
     the TVM lowering registers it too."""
     x, conv_w, conv_state, gate_a, gate_b, dt_bias, ssm_a, state, z, norm_w = ctx.ins
-    y, conv_new, new_state, *rows = ctx.outs
+    y, conv_new, new_state = ctx.outs
     a = ctx.attr
-    emit = a.get("emit_row_states", False)
-    mixed = ctx.sub("causal_conv1d", x, conv_w, conv_state, outputs=[ctx.temp(x.type), conv_new, *rows[:1]],
-                    emit_row_states=emit, activation="silu")[0]
-    rule = {n: a[n] for n in ("key_heads", "eps", "scale", "head_map", "chunk_size", "emit_row_states") if n in a}
+    mixed = ctx.sub("causal_conv1d", x, conv_w, conv_state, outputs=[ctx.temp(x.type), conv_new],
+                    activation="silu")[0]
+    rule = {n: a[n] for n in ("key_heads", "eps", "scale", "head_map", "chunk_size") if n in a}
     o = ctx.sub("fused_gated_delta_rule", mixed, gate_a, gate_b, dt_bias, ssm_a, state,
-                outputs=[ctx.temp(y.type), new_state, *rows[1:]], **rule)[0]
+                outputs=[ctx.temp(y.type), new_state], **rule)[0]
     ctx.sub("mul", ctx.sub("rmsnorm", o, norm_w, eps=a["norm_eps"]), ctx.sub("silu", z), outputs=[y])
 
 
@@ -477,9 +457,6 @@ def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
             r = rule.norm.factor(kb, lid, col, y * y)  # a v head's threads are all live
         with kb.if_(live):
             states.out[rule.out_row(t, h) + col] = y if rule.norm is None else rule.norm.apply(kb, y * r, t, h, col)
-            if states.rows is not None:
-                with kb.loop("e", 0, DK) as e:
-                    states.rows[rule.row_states_at(t) + cell(e)] = S[e]
     with kb.if_(live), kb.loop("e", 0, DK) as e:
         states.new[cell(e)] = S[e]
     if rule.conv is not None:
@@ -530,8 +507,6 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
                 s = kb.let("s", decay * src[r + j] + kv * delta[j])
                 y[j] = y[j] + s * qv
                 states.new[r + j] = s
-                if states.rows is not None:
-                    states.rows[rule.row_states_at(t) + r + j] = s
         if rule.norm is None:
             with columns() as j:
                 states.out[rule.out_row(t, h) + c0 + j] = y[j]

@@ -60,9 +60,9 @@ def rope(ctx: TVMNodeCtx) -> None:
 @lowers("causal_conv1d")
 def causal_conv1d(ctx: TVMNodeCtx) -> None:
     """Over xx = concat(state, x): y[t, c] = sum_j w[c, j] xx[t + j, c]; the new state is
-    xx's last K-1 rows, row state t the K-1 rows after row t."""
+    xx's last K-1 rows."""
     x, w, state = ctx.ins
-    y, new_state, *rows = ctx.outs
+    y, new_state = ctx.outs
     t, c = x.type.shape
     width = w.type.shape[1]
     T, C, K1 = dim(t), dim(c), width - 1
@@ -82,10 +82,6 @@ def causal_conv1d(ctx: TVMNodeCtx) -> None:
         ctx.sub("silu", conv, outputs=[y])
     ctx.kernel("conv_state", sources + [("new_state", new_state, True)],
                block([("e", str(K1)), ("ch", C)], f"new_state[e * {C} + ch] = {xx(f'{T} + e')}"))
-    if rows:
-        ctx.kernel("conv_row_states", sources + [("row_states", rows[0], True)],
-                   block([("row", T), ("e", str(K1)), ("ch", C)],
-                         f"row_states[(row * {K1} + e) * {C} + ch] = {xx('row + 1 + e')}"))
 
 
 @lowers("gated_delta_rule")
@@ -93,7 +89,7 @@ def gated_delta_rule(ctx: TVMNodeCtx) -> None:
     """S <- e^g S; S <- S + k (beta (v - Sᵀk))ᵀ; o = Sᵀ(q scale), per state column. The
     chunked form (chunk_size > 0) is the same recurrence, so it runs this kernel too."""
     q, k, v, g, beta, state = ctx.ins
-    o, new_state, *rows = ctx.outs
+    o, new_state = ctx.outs
     t, hk, dk = q.type.shape
     hv, dv = v.type.shape[1], v.type.shape[2]
     T, DK, DV = dim(t), dim(dk), dim(dv)
@@ -101,8 +97,6 @@ def gated_delta_rule(ctx: TVMNodeCtx) -> None:
     cell = f"(h * {DK} + e) * {DV} + col"
     qk = f"(ti * {hk} + {kh}) * {DK} + e"
     tv = f"ti * {hv} + h"
-    emit = (f"    for e in range({DK}):\n        row_states[(ti * {hv} + h) * {DK} * {DV} + e * {DV} + col] = S[e]\n"
-            if rows else "")
     body = (f"for e in range({DK}):\n    S[e] = state[{cell}]\n"
             f"for ti in range({T}):\n"
             f"    for e in range({DK}):\n        S[e] = S[e] * T.exp(g[{tv}])\n"
@@ -112,11 +106,11 @@ def gated_delta_rule(ctx: TVMNodeCtx) -> None:
             f"    a[2] = T.float32(0)\n"
             f"    for e in range({DK}):\n        S[e] = S[e] + k[{qk}] * a[1]\n"
             f"        a[2] = a[2] + S[e] * (q[{qk}] * {f32(ctx.attr['scale'])})\n"
-            f"    o[({tv}) * {DV} + col] = a[2]\n{emit}"
+            f"    o[({tv}) * {DV} + col] = a[2]\n"
             f"for e in range({DK}):\n    new_state[{cell}] = S[e]")
     buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
                ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
-    ctx.sequential("gated_delta_rule", buffers + [("row_states", r, True) for r in rows],
+    ctx.sequential("gated_delta_rule", buffers,
                    [("h", str(hv)), ("col", DV)], body, [("S", dk), ("a", 3)])
 
 
@@ -133,7 +127,7 @@ def fused_gated_delta_rule(ctx: TVMNodeCtx) -> None:
     q, k = (ctx.sub("l2norm", part(i * kd, (i + 1) * kd, ctx.attr["key_heads"], dk), eps=ctx.attr["eps"])
             for i in (0, 1))
     g = ctx.sub("mul", ctx.sub("softplus", ctx.sub("add", a, dt_bias)), ssm_a)
-    rule = {n: ctx.attr[n] for n in ("scale", "head_map", "chunk_size", "emit_row_states") if n in ctx.attr}
+    rule = {n: ctx.attr[n] for n in ("scale", "head_map", "chunk_size") if n in ctx.attr}
     ctx.sub("gated_delta_rule", q, k, part(2 * kd, mixed.type.shape[1], hv, dv), g, ctx.sub("sigmoid", b), state,
             outputs=ctx.outs, **rule)
 

@@ -84,8 +84,7 @@ def fused_attention(q, k, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_
     return (o, k_all, v_all) if persist else o
 
 
-def _fused_gdn_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps, scale, head_map, chunk_size,
-                    emit_row_states):
+def _fused_gdn_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps, scale, head_map, chunk_size):
     expect_rank("mixed", mixed, 2)
     expect_rank("state", state, 3)
     int_attr("key_heads", key_heads, minimum=1)
@@ -103,12 +102,12 @@ def _fused_gdn_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps, scale
     (g,) = _infer("mul", *_infer("softplus", *_infer("add", a, dt_bias)), ssm_a)
     (beta,) = _infer("sigmoid", b)
     return _infer("gated_delta_rule", qk, qk, f32((rows, hv, dv)), g, beta, state, scale=scale, head_map=head_map,
-                  chunk_size=chunk_size, emit_row_states=emit_row_states)
+                  chunk_size=chunk_size)
 
 
 @defop("fused_gated_delta_rule", _fused_gdn_rule)
 def fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps, scale, head_map="tiled",
-                           chunk_size=0, emit_row_states=False):
+                           chunk_size=0):
     """A Gated DeltaNet layer's recurrence from its conv output: q and k are L2-normalised
     head slices of `mixed` (= [q | k | v] channels), the decay is softplus(a + dt_bias) ·
     ssm_a and β = sigmoid(b), then the gated delta rule. One kernel instead of the slices,
@@ -120,37 +119,34 @@ def fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps
     v = mixed[:, 2 * kd:].reshape(rows, hv, dv)
     g = _reference("mul", _reference("softplus", _reference("add", a, dt_bias)), ssm_a)
     return gated_delta_rule(q, k, v, g, _reference("sigmoid", b), state, scale=scale, head_map=head_map,
-                            chunk_size=chunk_size, emit_row_states=emit_row_states)
+                            chunk_size=chunk_size)
 
 
 def _fused_gdn_layer_rule(x, conv_w, conv_state, a, b, dt_bias, ssm_a, state, z, norm_w, *, key_heads, eps, norm_eps,
-                          scale, head_map, chunk_size, emit_row_states):
-    mixed, conv_new, *conv_rows = _infer("causal_conv1d", x, conv_w, conv_state, emit_row_states=emit_row_states,
-                                         activation="silu")
-    o, new, *rows = _infer("fused_gated_delta_rule", mixed, a, b, dt_bias, ssm_a, state, key_heads=key_heads, eps=eps,
-                           scale=scale, head_map=head_map, chunk_size=chunk_size, emit_row_states=emit_row_states)
+                          scale, head_map, chunk_size):
+    mixed, conv_new = _infer("causal_conv1d", x, conv_w, conv_state, activation="silu")
+    o, new = _infer("fused_gated_delta_rule", mixed, a, b, dt_bias, ssm_a, state, key_heads=key_heads, eps=eps,
+                    scale=scale, head_map=head_map, chunk_size=chunk_size)
     (normed,) = _infer("rmsnorm", o, norm_w, eps=norm_eps)
     expect_rank("z", z, 3)
     for axis, what in enumerate(("rows", "heads", "dim")):  # the gate multiplies elementwise: no broadcasting
         expect_same(f"z {what}", z.shape[axis], f"output {what}", o.shape[axis], (z, o))
     (y,) = _infer("mul", normed, *_infer("silu", z))
-    return (y, conv_new, new, *conv_rows, *rows)
+    return y, conv_new, new
 
 
 @defop("fused_gated_deltanet", _fused_gdn_layer_rule)
 def fused_gated_deltanet(x, conv_w, conv_state, a, b, dt_bias, ssm_a, state, z, norm_w, *, key_heads, eps, norm_eps,
-                         scale, head_map="tiled", chunk_size=0, emit_row_states=False):
+                         scale, head_map="tiled", chunk_size=0):
     """A Gated DeltaNet layer between its input projections and its out projection: the
     causal conv of x with SiLU (conv_w, conv_state), fused_gated_delta_rule on its output,
     then each v head's output row RMS-normalised with norm_w (norm_eps) times silu(z).
-    Returns (y, conv_state', state'[, conv states after each row, states after each row])."""
-    mixed, conv_new, *conv_rows = causal_conv1d(x, conv_w, conv_state, emit_row_states=emit_row_states,
-                                                activation="silu")
-    o, new, *rows = fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, key_heads=key_heads, eps=eps,
-                                           scale=scale, head_map=head_map, chunk_size=chunk_size,
-                                           emit_row_states=emit_row_states)
+    Returns (y, conv_state', state')."""
+    mixed, conv_new = causal_conv1d(x, conv_w, conv_state, activation="silu")
+    o, new = fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, key_heads=key_heads, eps=eps,
+                                    scale=scale, head_map=head_map, chunk_size=chunk_size)
     y = _reference("mul", rmsnorm(o, norm_w, eps=norm_eps), _reference("silu", z))
-    return (y, conv_new, new, *conv_rows, *rows)
+    return y, conv_new, new
 
 
 def _reference(op: str, *arrays: np.ndarray) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Ops with carried state (Gated DeltaNet): depthwise causal conv1d and the gated delta rule.
 
-Both take the incoming state and return the new one; with `emit_row_states` they also
-return the state after every row, so a speculative verify can roll back to any accepted
-prefix without recomputing. All state math is float32, as in HF and llama.cpp.
+Both take the incoming state and return the new one (a speculative verify's rollback runs
+them again over the accepted rows: runtime/target_runner.py). All state math is float32, as
+in HF and llama.cpp.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from .elementwise import sigmoid_f32
 from .linalg import as_f32
 from .rules import (
     WEIGHT_DTYPES,
-    bool_attr,
     check,
     choice_attr,
     defop,
@@ -22,7 +21,6 @@ from .rules import (
     expect_dtype,
     expect_rank,
     expect_same,
-    f32,
     int_attr,
     number_attr,
 )
@@ -33,7 +31,7 @@ F32 = np.float32
 ACTIVATIONS = ("none", "silu")
 
 
-def _conv_rule(x: TensorType, w: TensorType, state: TensorType, *, emit_row_states, activation):
+def _conv_rule(x: TensorType, w: TensorType, state: TensorType, *, activation):
     expect_dtype("x", x, DType.F32)
     expect_rank("x", x, 2)
     expect_dtype("w", w, *WEIGHT_DTYPES)
@@ -48,35 +46,29 @@ def _conv_rule(x: TensorType, w: TensorType, state: TensorType, *, emit_row_stat
     if isinstance(width, int):
         check(width >= 1, f"kernel width must be >= 1 in {w}")
         expect_same("state rows", state.shape[0], "kernel width - 1", width - 1, shapes)
-    bool_attr("emit_row_states", emit_row_states)
     choice_attr("activation", activation, ACTIVATIONS)
-    outputs = (x, state)
-    return outputs + ((f32((x.shape[0],) + state.shape),) if emit_row_states else ())
+    return x, state
 
 
 @defop("causal_conv1d", _conv_rule)
-def causal_conv1d(x, w, state, *, emit_row_states=False, activation="none"):
+def causal_conv1d(x, w, state, *, activation="none"):
     """Depthwise causal conv over xx = concat(state, x): y[t, c] = Σ_j w[c, j]·xx[t+j, c],
     then silu(y) with activation="silu" (Gated DeltaNet's conv; the states hold xx rows,
-    never y). Returns (y, last K-1 rows of xx[, the state after each row])."""
+    never y). Returns (y, last K-1 rows of xx)."""
     width = w.shape[1]
     rows = np.concatenate([state, x]).astype(F32)
     windows = np.lib.stride_tricks.sliding_window_view(rows, width, axis=0)  # [T, C, K]
     y = np.sum(windows * as_f32(w), axis=-1, dtype=F32)
     if activation == "silu":
         y = np.asarray(y * sigmoid_f32(y), dtype=F32)
-    new_state = rows[len(x):].copy()
-    if not emit_row_states:
-        return y, new_state
-    row_states = np.stack([rows[t + 1:t + width] for t in range(len(x))])
-    return y, new_state, row_states
+    return y, rows[len(x):].copy()
 
 
 HEAD_MAPS = ("tiled", "grouped")
 
 
 def _gdn_rule(q: TensorType, k: TensorType, v: TensorType, g: TensorType, beta: TensorType, state: TensorType, *,
-              scale, head_map, chunk_size, emit_row_states):
+              scale, head_map, chunk_size):
     for name, t, rank in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2), ("state", state, 3)):
         expect_dtype(name, t, DType.F32)
         expect_rank(name, t, rank)
@@ -94,10 +86,7 @@ def _gdn_rule(q: TensorType, k: TensorType, v: TensorType, g: TensorType, beta: 
     number_attr("scale", scale)
     choice_attr("head_map", head_map, HEAD_MAPS)
     int_attr("chunk_size", chunk_size, minimum=0)
-    bool_attr("emit_row_states", emit_row_states)
-    check(not (emit_row_states and chunk_size), "emit_row_states needs the recurrent form (chunk_size=0)")
-    outputs = (v, state)
-    return outputs + ((f32((q.shape[0],) + state.shape),) if emit_row_states else ())
+    return v, state
 
 
 def key_heads(n_value_heads: int, n_key_heads: int, head_map: str) -> np.ndarray:
@@ -107,32 +96,27 @@ def key_heads(n_value_heads: int, n_key_heads: int, head_map: str) -> np.ndarray
 
 
 @defop("gated_delta_rule", _gdn_rule)
-def gated_delta_rule(q, k, v, g, beta, state, *, scale, head_map="tiled", chunk_size=0, emit_row_states=False):
+def gated_delta_rule(q, k, v, g, beta, state, *, scale, head_map="tiled", chunk_size=0):
     """Gated delta rule per v head: S <- e^g S; S <- S + k (β(v - Sᵀk))ᵀ; o = Sᵀ(q·scale).
     q, k arrive L2-normalised. chunk_size > 0 evaluates the same thing in chunked (WY) form.
-    Returns (o, new_state[, state after each row])."""
+    Returns (o, new_state)."""
     heads = key_heads(v.shape[1], k.shape[1], head_map)
     q = q[:, heads] * F32(scale)
     k = k[:, heads]
     if chunk_size:
         return _chunked(q, k, v, g, beta, state.astype(F32), chunk_size)
-    return _recurrent(q, k, v, g, beta, state.astype(F32), emit_row_states)
+    return _recurrent(q, k, v, g, beta, state.astype(F32))
 
 
-def _recurrent(q, k, v, g, beta, s, emit_row_states):
+def _recurrent(q, k, v, g, beta, s):
     """Token by token, all heads at once; q is already scaled and everything is per v head."""
     out = np.empty(v.shape, dtype=F32)
-    row_states = []
     decay = np.exp(g)
     for t in range(len(q)):
         s = s * decay[t][:, None, None]
         delta = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", s, k[t]))
         s = s + k[t][:, :, None] * delta[:, None, :]
         out[t] = np.einsum("hkv,hk->hv", s, q[t])
-        if emit_row_states:
-            row_states.append(s)
-    if emit_row_states:
-        return out, s, np.stack(row_states)
     return out, s
 
 

@@ -2,11 +2,13 @@
 
 Rollback design: attention KV caches have a fixed capacity and a length (`n_past`); rows
 past it are ignored by attention and overwritten by the next write, so trimming attention
-is free. The verify program writes per-row conv and recurrent states of every Gated
-DeltaNet layer; `commit(n)` keeps row n-1's. Memory for that is, per verify of T rows,
-T x (conv + recurrent state) per GDN layer (Qwen3.5-9B, T=16: 16 x 24 x 2.1 MB = 0.8 GB in
-f32); the alternative, checkpoint + replay, costs a second target pass on every partial
-acceptance.
+is free. A recurrent (Gated DeltaNet) layer's state has no rows to trim: the verify outputs
+each such layer's input projections, and `commit(n)` runs the `commit` program, which replays
+the layers' recurrence over the first n rows from the states before the verify, with the
+kernel the verify ran. Its cost is the recurrence alone (no projections, no attention, no
+FFN) over the accepted rows; what a verify keeps for it is those rows' projections
+(Qwen3.5-9B, T=16: 16 x 24 x 49 KB = 19 MB in f32) where per-row states would be 0.8 GB
+written on every verify. The committed states are then bit for bit a decode's.
 """
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ class TargetRunner:
     def __init__(self, programs: Mapping[str, Program], n_ctx: int):
         self.programs = programs
         self.n_ctx = n_ctx
-        self._row_state = dict(programs["verify"].graph.meta_dict.get("row_states", ()))
+        self._commit = programs.get("commit")
+        # the rows a commit replays: inputs of the commit program, outputs of the verify
+        self.replayed = tuple(v.name for v in self._commit.graph.inputs) if self._commit else ()
         self.reset()
 
     def reset(self) -> None:
@@ -59,7 +63,7 @@ class TargetRunner:
         self.n_past = 0
         self._pending = None
 
-    def _run(self, kind: str, tokens, logit_rows) -> tuple[TargetOutput, object]:
+    def _run(self, kind: str, tokens, logit_rows, keep: tuple[str, ...] = ()) -> tuple[TargetOutput, object]:
         tokens = np.asarray(tokens, np.int32)
         T = len(tokens)
         if self.n_past + T > self.n_ctx:
@@ -73,7 +77,7 @@ class TargetRunner:
             "kv_len": np.int32(self.n_past + T),
             "logit_rows": np.asarray(logit_rows, np.int32),
         }
-        res = self.programs[kind].run(inputs, self.states, keep=_ON_DEVICE)
+        res = self.programs[kind].run(inputs, self.states, keep=_ON_DEVICE + keep)
         return TargetOutput(res.outputs["logits"], res.outputs["greedy"], res.outputs.get("features")), res
 
     def prefill(self, tokens, *, chunk: int = 512, all_logits: bool = False) -> TargetOutput:
@@ -108,7 +112,7 @@ class TargetRunner:
     def verify(self, tokens) -> TargetOutput:
         """Run a block on top of the committed state; nothing is committed until `commit`."""
         tokens = np.asarray(tokens, np.int32)
-        out, res = self._run("verify", tokens, np.arange(len(tokens)))
+        out, res = self._run("verify", tokens, np.arange(len(tokens)), keep=self.replayed)
         self._pending = res
         return out
 
@@ -120,10 +124,12 @@ class TargetRunner:
         T = len(res.outputs["greedy"])
         if not 1 <= n_rows <= T:
             raise ValueError(f"commit of {n_rows} rows, verify had {T}")
-        new = dict(self.states)
-        for name, value in res.states.items():
-            rows = self._row_state.get(name)
-            new[name] = res.outputs[rows][n_rows - 1] if rows else value
+        new = {**self.states, **res.states}
+        if self._commit is not None:
+            before = {s.value.name: self.states[s.value.name] for s in self._commit.graph.states}
+            rows = {name: res.outputs[name][:n_rows] for name in self.replayed}
+            layers = [name for name, _ in self._commit.graph.outputs]  # nobody reads them: left on the device
+            new.update(self._commit.run(rows, before, keep=layers).states)
         self.states = new
         self.n_past += n_rows
         self._pending = None
@@ -154,14 +160,15 @@ def verify_together(runners: Sequence[TargetRunner], blocks: Sequence[Sequence[i
         inputs.update({f"s{j}.positions": np.arange(runner.n_past, runner.n_past + R, dtype=np.int32),
                        f"s{j}.pos": np.int32(runner.n_past), f"s{j}.kv_len": np.int32(runner.n_past + R)})
         states.update({f"s{j}.{name}": value for name, value in runner.states.items()})
-    res = program.run({"tokens": tokens, **inputs}, states, keep=_ON_DEVICE)
+    kept = tuple(f"s{j}.{name}" for j, runner in enumerate(runners) for name in runner.replayed)
+    res = program.run({"tokens": tokens, **inputs}, states, keep=_ON_DEVICE + kept)
     features = res.outputs.get("features")
     outs = []
     for j, (runner, block) in enumerate(zip(runners, blocks)):
         first, n = j * R, len(block)
         greedy = res.outputs["greedy"][first:first + n]
         runner._pending = RunResult(
-            {"greedy": greedy, **{rows: res.outputs[f"s{j}.{rows}"][:n] for rows in runner._row_state.values()}},
+            {"greedy": greedy, **{name: res.outputs[f"s{j}.{name}"][:n] for name in runner.replayed}},
             {name: res.states[f"s{j}.{name}"] for name in runner.states}, res.bindings)
         outs.append(TargetOutput(res.outputs["logits"][first:first + n], greedy,
                                  None if features is None else features[first:first + n]))

@@ -18,7 +18,9 @@ Programs' states and outputs live in their buffers until the same program runs a
 before a slot runs a program of its own (its prefill, decode, draft or lone verify) every
 other slot whose states may sit in shared buffers copies them into buffers of its own
 (`SlotEngine.own_states`); so does every such slot before a batched pass, which then leaves
-its slots' states in its buffers. A job whose client went away is dropped before its slot's
+its slots' states in its buffers, and each slot of that pass once it has committed, before
+the next slot's commit runs the target's commit program (whose buffers hold the recurrent
+states it replayed). A job whose client went away is dropped before its slot's
 next step, so its slot is free within one round. Jobs beyond the free slots wait in a
 bounded queue; past the bound `submit` raises `QueueFull` (the HTTP layer answers 503 with
 Retry-After).
@@ -247,7 +249,8 @@ class Scheduler:
         self.verified_blocks += len(group)
         if self.metrics is not None:
             self.metrics.verified(len(group))
-        for slot, out in zip(slots, outs):
+        for i, (slot, out) in enumerate(zip(slots, outs)):
+            self._own_others(set(slots[i:]))  # the slots before this one have committed
             self._advance(slot, out)
 
     def _fail(self, slot: Slot, message: str) -> None:

@@ -126,11 +126,14 @@ def test_greedy_rounds_move_only_token_ids_through_the_host(backend, tiny_pair, 
 
 
 def test_programs_of_one_model_share_weight_buffers(backend, tiny_pair, tmp_path):
-    """Prefill, verify and decode of one model read the same weights: uploaded once."""
+    """Prefill, verify and decode of one model read the same weights, and the commit those of
+    the recurrent layers: uploaded once."""
     engine = _engine(backend, tiny_pair("qwen35", "f16")[0], None, tmp_path / "art", n_ctx=32)
     programs = engine.target.programs
-    buffers = [set(map(id, p._resident.values())) for p in programs.values()]
-    assert len(set.intersection(*buffers)) >= len(programs["decode"].graph.weights) // 2
+    buffers = {name: set(map(id, p._resident.values())) for name, p in programs.items()}
+    shared = set.intersection(*(buffers[name] for name in ("prefill", "verify", "decode")))
+    assert len(shared) >= len(programs["decode"].graph.weights) // 2
+    assert buffers["commit"] and buffers["commit"] <= shared
 
 
 @pytest.mark.oracle

@@ -96,14 +96,14 @@ def test_conv_state_of_one_row_is_shifted_in_place():
     in_place = _plan("causal_conv1d_T1_in_place")
     (conv,) = [l for s in in_place.steps for l in s.launches]
     assert in_place.aliases == {"causal_conv1d.1": "state"} and "state" not in conv.buffers
-    (conv,) = [l for s in _plan("causal_conv1d_T1_plain").steps for l in s.launches]
+    (conv,) = [l for s in _plan("causal_conv1d_T1_f32").steps for l in s.launches]
     assert "state" in conv.buffers  # the new state is an output: the old one is not overwritten
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_recurrent_state_is_updated_in_place_unless_it_is_an_output(profile):
-    in_place = lower(case_graph(CASES["gated_delta_rule_in_place_rows"].build()), profile)
-    copy = lower(case_graph(CASES["gated_delta_rule_rows_tiled"].build()), profile)
+    in_place = lower(case_graph(CASES["gated_delta_rule_in_place_dv24"].build()), profile)
+    copy = lower(case_graph(CASES["gated_delta_rule_tiled"].build()), profile)
     (gdn,) = [l for s in in_place.steps for l in s.launches if l.kernel.startswith("gated_delta_rule")]
     assert in_place.aliases == {"gated_delta_rule.1": "state"}
     assert "state" not in gdn.buffers and "gated_delta_rule.1" in gdn.buffers

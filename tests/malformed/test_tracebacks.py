@@ -77,6 +77,8 @@ def _put(value, *keys):
     (_put(10**6, "config", "draft", "block_size"), r"config.draft.block_size = 1000000 is outside 2..256"),
     (_put(16, "config", "n_max"), "config.n_max = 16 is not below the draft's block size 16"),
     (_put([1], "programs", "target.decode", "backend"), "programs.target.decode.backend must be a mapping, got list"),
+    (_put("yes", "config", "target", "layer_is_recurrent"),
+     "config.target.layer_is_recurrent must be a list of booleans, got 'yes'"),
 ])
 def test_manifest_fields_missing_or_mistyped_are_named(copy, edit, problem):
     rewrite(copy, edit)
@@ -125,9 +127,17 @@ def test_a_symlink_out_of_the_artifact_is_refused_before_reading(copy, tmp_path)
 
 def test_a_program_missing_or_added_is_named(copy):
     rewrite(copy, _drop("programs", "draft.inject"))
-    with pytest.raises(ArtifactError, match=r"the manifest's programs are \['draft.block', 'target.decode', "
-                                            r"'target.prefill', 'target.verify', 'target.verify_s2', "
+    with pytest.raises(ArtifactError, match=r"the manifest's programs are \['draft.block', 'target.commit', "
+                                            r"'target.decode', 'target.prefill', 'target.verify', 'target.verify_s2', "
                                             r"'target.verify_s4'\], expected \['draft.block', 'draft.inject', "):
+        load_compiled(copy)
+
+
+def test_a_commit_program_the_config_does_not_need_is_refused(copy):
+    """Without recurrent layers (as the config now says) a target has no commit program."""
+    rewrite(copy, _put([False] * 4, "config", "target", "layer_is_recurrent"))
+    with pytest.raises(ArtifactError, match=r"the manifest's programs are \[.*'target.commit'.*\], expected "
+                                            r"\['draft.block', 'draft.inject', 'target.decode', 'target.prefill', "):
         load_compiled(copy)
 
 

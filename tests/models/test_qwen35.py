@@ -51,14 +51,23 @@ def test_moe_reads_only_the_routed_experts(moe_file):
 
 
 def test_graph_kinds_differ_only_where_they_should(moe_file):
-    pair = open_pair(moe_file, taps=(1, 2))
+    pair = open_pair(moe_file, taps=(1, 2), opt_level=0)
     prefill, verify, decode = (pair.graphs[f"target.{k}"] for k in ("prefill", "verify", "decode"))
     delta = lambda g: [n.attr for n in g.nodes if n.op == "gated_delta_rule"]  # noqa: E731
-    assert all(a["chunk_size"] == 64 and not a["emit_row_states"] for a in delta(prefill))
-    assert all(a["chunk_size"] == 0 and a["emit_row_states"] for a in delta(verify))
-    assert all(a["chunk_size"] == 0 and not a["emit_row_states"] for a in delta(decode))
-    assert dict(verify.meta_dict["row_states"]).keys() == {s.value.name for s in verify.states
-                                                          if not s.value.name.endswith("_cache")}
+    assert len(delta(prefill)) == 3 and all(a["chunk_size"] == 64 for a in delta(prefill))
+    assert all(a["chunk_size"] == 0 for a in delta(verify) + delta(decode))
+    # a verify outputs the rows its commit replays: every recurrent layer's projections
+    commit = pair.graphs["target.commit"]
+    assert {v.name for v in commit.inputs} == {f"blk.{i}.{p}" for i in (0, 1, 2)
+                                               for p in ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta")}
+    assert {v.name: v.type for v in commit.inputs} == {n: verify.output(n).type for n in (v.name for v in commit.inputs)}
+    assert {s.value.name for s in commit.states} == {s.value.name for s in verify.states
+                                                     if not s.value.name.endswith("_cache")}
+    assert delta(commit) == delta(decode)
+    # and after the pipeline the commit runs the kernel the verify ran
+    fused = {k: [n.attr for n in open_pair(moe_file, taps=(1, 2)).graphs[f"target.{k}"].nodes
+                 if n.op == "fused_gated_deltanet"] for k in ("verify", "commit")}
+    assert len(fused["commit"]) == 3 and fused["commit"] == fused["verify"]
     assert prefill.output("logits").type.shape == ("R", 320)  # the rows asked for (logit_rows)
     assert verify.output("logits").type.shape == ("T", 320)  # every row, as the verify reads them
     assert decode.output("logits").type.shape == (1, 320) and decode.output("features").type.shape == (1, 2 * 64)

@@ -68,19 +68,8 @@ def test_conv_carried_state_equals_one_pass(split):
     np.testing.assert_array_equal(end, final)
 
 
-def test_conv_row_states_are_prefix_final_states():
-    x, w, state = conv_inputs(6, 3, 4)
-    y, final, rows = run("causal_conv1d", x, w, state, emit_row_states=True)
-    assert rows.shape == (6, 3, 3)
-    for t in range(6):
-        np.testing.assert_array_equal(rows[t], run("causal_conv1d", x[:t + 1], w, state)[1])
-    np.testing.assert_array_equal(rows[-1], final)
-
-
 def test_conv_rule():
     assert types("causal_conv1d", "f32[T,8192]", "f32[8192,4]", "f32[3,8192]") == ["f32[T,8192]", "f32[3,8192]"]
-    assert types("causal_conv1d", "f32[T,64]", "bf16[64,4]", "f32[3,64]", emit_row_states=True) == [
-        "f32[T,64]", "f32[3,64]", "f32[T,3,64]"]
     with pytest.raises(OpError, match=r"causal_conv1d: state rows \(4\) != kernel width - 1 \(3\)"):
         types("causal_conv1d", "f32[T,64]", "f32[64,4]", "f32[4,64]")
     with pytest.raises(OpError, match=r"causal_conv1d: x channels \(64\) != w channels \(32\)"):
@@ -170,16 +159,6 @@ def test_carried_state_equals_one_pass(split, chunk):
     np.testing.assert_allclose(end, s, atol=1e-5)
 
 
-def test_row_states_are_prefix_final_states():
-    q, k, v, g, beta, state = gdn_inputs(5)
-    o, final, rows = run("gated_delta_rule", q, k, v, g, beta, state, scale=0.5, emit_row_states=True)
-    assert rows.shape == (5,) + state.shape
-    for t in range(5):
-        prefix = (a[:t + 1] for a in (q, k, v, g, beta))
-        np.testing.assert_array_equal(rows[t], run("gated_delta_rule", *prefix, state, scale=0.5)[1])
-    np.testing.assert_array_equal(rows[-1], final)
-
-
 @pytest.mark.parametrize("head_map, head_of", [("tiled", lambda h: h % 2), ("grouped", lambda h: h // 2)])
 def test_fused_rule_normalises_and_gates_like_the_transition_form(head_map, head_of):
     """The fused op from a raw conv output [q | k | v] and raw gates, against the f64
@@ -214,8 +193,7 @@ LAYER = ["f32[T,52]", "f32[52,4]", "f32[3,52]", "f32[T,4]", "f32[T,4]", "f32[4]"
          "f32[5]"]
 
 
-@pytest.mark.parametrize("emit", [False, True])
-def test_layer_op_is_the_conv_the_fused_rule_and_the_gated_norm(emit):
+def test_layer_op_is_the_conv_the_fused_rule_and_the_gated_norm():
     """fused_gated_deltanet from the conv input: its outputs are those of causal_conv1d (SiLU),
     fused_gated_delta_rule on that, and rmsnorm times silu(z), bit for bit."""
     T, Hk, Hv, dk, dv = 3, 2, 4, 8, 5
@@ -225,19 +203,19 @@ def test_layer_op_is_the_conv_the_fused_rule_and_the_gated_norm(emit):
     dt_bias, ssm_a = rng.standard_normal(Hv).astype(F), -np.exp(rng.standard_normal(Hv)).astype(F)
     state, z = (0.3 * rng.standard_normal((Hv, dk, dv))).astype(F), rng.standard_normal((T, Hv, dv)).astype(F)
     norm_w = rng.standard_normal(dv).astype(F)
-    rule = dict(key_heads=Hk, eps=1e-6, scale=0.3, head_map="grouped", emit_row_states=emit)
+    rule = dict(key_heads=Hk, eps=1e-6, scale=0.3, head_map="grouped")
     got = run("fused_gated_deltanet", x, w, conv_state, a, b, dt_bias, ssm_a, state, z, norm_w, norm_eps=1e-5, **rule)
-    mixed, conv_new, *conv_rows = run("causal_conv1d", x, w, conv_state, emit_row_states=emit, activation="silu")
-    o, new, *rows = run("fused_gated_delta_rule", mixed, a, b, dt_bias, ssm_a, state, **rule)
+    mixed, conv_new = run("causal_conv1d", x, w, conv_state, activation="silu")
+    o, new = run("fused_gated_delta_rule", mixed, a, b, dt_bias, ssm_a, state, **rule)
     y = run("mul", run("rmsnorm", o, norm_w, eps=1e-5)[0], run("silu", z)[0])[0]
-    assert len(got) == 5 if emit else len(got) == 3
-    for have, want in zip(got, (y, conv_new, new, *conv_rows, *rows)):
+    assert len(got) == 3
+    for have, want in zip(got, (y, conv_new, new)):
         np.testing.assert_array_equal(have, want)
 
 
 def test_layer_rule_checks_the_gate_and_the_norm():
-    assert types("fused_gated_deltanet", *LAYER, key_heads=2, eps=1e-6, norm_eps=1e-6, scale=0.3,
-                 emit_row_states=True) == ["f32[T,4,5]", "f32[3,52]", "f32[4,8,5]", "f32[T,3,52]", "f32[T,4,8,5]"]
+    assert types("fused_gated_deltanet", *LAYER, key_heads=2, eps=1e-6, norm_eps=1e-6,
+                 scale=0.3) == ["f32[T,4,5]", "f32[3,52]", "f32[4,8,5]"]
     attrs = dict(key_heads=2, eps=1e-6, norm_eps=1e-6, scale=0.3)
     with pytest.raises(OpError, match=r"z heads \(1\) != output heads \(4\)"):
         types("fused_gated_deltanet", *LAYER[:8], "f32[T,1,5]", LAYER[9], **attrs)
@@ -250,12 +228,10 @@ def test_layer_rule_checks_the_gate_and_the_norm():
 def test_gdn_rule():
     args = ("f32[T,16,128]", "f32[T,16,128]", "f32[T,32,128]", "f32[T,32]", "f32[T,32]", "f32[32,128,128]")
     assert types("gated_delta_rule", *args, scale=128 ** -0.5) == ["f32[T,32,128]", "f32[32,128,128]"]
-    assert types("gated_delta_rule", *args, scale=0.1, emit_row_states=True)[2] == "f32[T,32,128,128]"
     assert len(types("gated_delta_rule", *args, scale=0.1, chunk_size=64)) == 2
 
 
 @pytest.mark.parametrize("change, attrs, message", [
-    ({}, {"chunk_size": 64, "emit_row_states": True}, "emit_row_states needs the recurrent form"),
     ({}, {"head_map": "blocked"}, "head_map must be one of 'tiled', 'grouped'"),
     ({}, {"chunk_size": -1}, "chunk_size must be >= 0"),
     ({2: "f32[T,6,8]", 3: "f32[T,6]", 4: "f32[T,6]", 5: "f32[6,16,8]"}, {},

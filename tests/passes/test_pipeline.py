@@ -39,7 +39,10 @@ def test_full_pipeline_kernel_counts(tiny_models, worst_relative, arch):
         out = run_pipeline(g)
         counts = out.op_counts()
         assert "dequantize" not in counts and "matmul" not in counts, name
-        if name.startswith("target"):  # a batched verify: a mixer per sequence, one FFN over all rows
+        if name == "target.commit":  # the recurrent layers alone, one kernel each
+            assert counts.keys() <= {"fused_gated_deltanet", "reshape"}, name
+            assert counts["fused_gated_deltanet"] == sum(target.layer_is_recurrent), name
+        elif name.startswith("target"):  # a batched verify: a mixer per sequence, one FFN over all rows
             seqs = g.meta_dict.get("slots", 1)
             assert counts["fused_attention"] == seqs * sum(not r for r in target.layer_is_recurrent), name
             assert counts.get("fused_moe", 0) == (target.n_layer if target.n_expert else 0), name

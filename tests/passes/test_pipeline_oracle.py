@@ -25,7 +25,10 @@ def test_kernel_counts(oracle_gguf, kind, precision):
         counts = run_pipeline(g).op_counts()
         assert "dequantize" not in counts and "matmul" not in counts, name
         assert not {"attention", "expert_matmul", "topk"} & counts.keys(), name
-        if name.startswith("target"):  # a batched verify: an attention per sequence
+        if name == "target.commit":  # the recurrent layers alone, one kernel each
+            assert counts.keys() <= {"fused_gated_deltanet", "reshape"}, name
+            assert counts["fused_gated_deltanet"] == sum(target.layer_is_recurrent), name
+        elif name.startswith("target"):  # a batched verify: an attention per sequence
             seqs = g.meta_dict.get("slots", 1)
             assert counts["fused_attention"] == seqs * sum(not r for r in target.layer_is_recurrent), name
             assert "rope" not in counts, name

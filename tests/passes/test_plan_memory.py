@@ -181,7 +181,8 @@ def test_no_two_buffers_live_together_share_a_slot(lowered, arch, profile):
             root = plan.aliases.get(out, out)
             if root in plan.buffers:
                 assert live[root][1] == end
-        assert len(plan.slots) < len(plan.buffers), name  # there was reuse
+        if name != "target.commit":  # (whose buffers are all inputs, outputs and states)
+            assert len(plan.slots) < len(plan.buffers), name  # there was reuse
 
 
 class CountingDevice:

@@ -1,8 +1,9 @@
 """The batched verify (artifact.batched_verify, target_runner.verify_together): the blocks of
 2 or 4 sequences in one target pass. A row's logits must not depend on which other rows share
 the pass, nor on the padding of its block: each sequence's logits, greedy ids and committed
-state equal, bit for bit, those of its own verify, on the interpreter, on OpenCL (PoCL)
-with the kernels of both device profiles, and on lavapipe and tvm-llvm."""
+state equal, bit for bit, those of its own verify; and the recurrent states a commit replays
+equal those of decoding the committed rows. On the interpreter, on OpenCL (PoCL) with the
+kernels of both device profiles, and on lavapipe and tvm-llvm."""
 import collections
 from pathlib import Path
 
@@ -24,16 +25,22 @@ PROMPTS = ([5, 17, 300, 42, 7], [9, 8], [100, 200, 30, 40, 5, 6, 7, 8, 9, 10, 11
 BLOCKS = ([10, 11, 12, 13], list(range(20, 36)), [5], [240, 241, 242, 243, 244, 245, 246, 247, 248])
 
 
+def on_host(runner: TargetRunner) -> None:
+    """The runner's states copied to the host: a program's buffers (the prefill's, the
+    commit's) hold one sequence's states at a time."""
+    runner.states = {name: np.array(value) for name, value in runner.states.items()}
+
+
+def prefilled(programs, prompt) -> TargetRunner:
+    """A sequence after its prompt, holding its states on the host."""
+    runner = TargetRunner(programs, N_CTX)
+    runner.prefill(prompt)
+    on_host(runner)
+    return runner
+
+
 def runners(programs, n: int) -> list[TargetRunner]:
-    """n sequences after their prompts, each holding its states on the host (the prefill
-    program's buffers hold one sequence's at a time)."""
-    out = []
-    for prompt in PROMPTS[:n]:
-        runner = TargetRunner(programs, N_CTX)
-        runner.prefill(prompt)
-        runner.states = {name: np.array(value) for name, value in runner.states.items()}
-        out.append(runner)
-    return out
+    return [prefilled(programs, prompt) for prompt in PROMPTS[:n]]
 
 
 def kept(block) -> int:
@@ -41,14 +48,27 @@ def kept(block) -> int:
     return len(block) // 2 + 1
 
 
+def recurrent_states(runner: TargetRunner) -> dict[str, np.ndarray]:
+    return {name: np.array(value) for name, value in runner.states.items() if not name.endswith("_cache")}
+
+
 def check_batched_equals_alone(programs) -> None:
-    """Per sequence: logits and greedy ids of its block alone and in each batched pass; after
-    committing the same rows, the next decode step's logits (the committed states)."""
+    """Per sequence: the recurrent states a commit replays equal, bit for bit, those of
+    decoding the committed rows one at a time; logits and greedy ids of its block alone and
+    in each batched pass; after committing the same rows, the next decode step's logits (the
+    committed states)."""
     alone = []
-    for runner, block in zip(runners(programs, 4), BLOCKS):
+    for prompt, runner, block in zip(PROMPTS, runners(programs, 4), BLOCKS):
         out = runner.verify(block)
         logits, greedy = np.array(out.logits), np.array(out.greedy)
         runner.commit(kept(block))
+        if "commit" in programs:
+            decoded = prefilled(programs, prompt)
+            for token in block[:kept(block)]:
+                decoded.decode(token)
+            replayed, stepped = recurrent_states(runner), recurrent_states(decoded)
+            assert replayed.keys() == stepped.keys()
+            assert all(np.array_equal(replayed[name], stepped[name]) for name in stepped), block
         alone.append((logits, greedy, np.array(runner.decode(3).logits)))
     for slots in VERIFY_SLOTS:
         rs = runners(programs, slots)
@@ -56,6 +76,7 @@ def check_batched_equals_alone(programs) -> None:
         together = [(np.array(o.logits), np.array(o.greedy)) for o in outs]  # before the next pass reuses them
         for runner, block in zip(rs, BLOCKS):
             runner.commit(kept(block))
+            on_host(runner)
         for j, (runner, block) in enumerate(zip(rs, BLOCKS)):
             logits, greedy, after = alone[j]
             assert together[j][0].shape == logits.shape, (slots, j)

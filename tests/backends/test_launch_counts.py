@@ -8,7 +8,7 @@ launches needs all outputs of the one before (a norm needs the whole row, a proj
 whole core output). Beside the layers a token launches the embedding, the LM head with the
 final norm, the argmax and the concatenation of the tapped hidden states the draft reads.
 A prefill's attention layer is two launches: its new K/V rows into the caches, then the
-attention over them."""
+attention over them. A commit (the rollback's replay) is one launch per Gated DeltaNet layer."""
 import pytest
 
 from dflash_ir.artifact import open_pair
@@ -110,3 +110,13 @@ def test_a_batched_verify_reads_each_weight_once(graphs, profile):
     single, batched = product_groups("target.verify", 16), product_groups("target.verify_s4", 64)
     assert len(batched) == (PER_LAYER - 1) * LAYERS + 1
     assert batched == single
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_a_commit_is_one_launch_per_recurrent_layer(graphs, profile):
+    """The rollback's replay (target.commit) runs the verify's fused layer kernel (a decode runs
+    it specialised to one row), once per Gated DeltaNet layer, and nothing else: the projections
+    it replays are the verify's outputs."""
+    commit, verify = (launched(graphs[name], profile, 6) for name in ("target.commit", "target.verify"))
+    assert len(commit) == RECURRENT
+    assert set(commit) == {k for k in verify if k.startswith("fused_gated_deltanet")}

@@ -30,16 +30,17 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from dflash_ir.quant import COLS, pack_q8_0_cols16, storage_shape
+from dflash_ir.quant import COLS, TILED_BLOCK_TYPES, cols16_layout, pack_blocks_cols16, pack_q8_0_cols16, storage_shape
 from dflash_ir.types import TensorType
 
 from .kir.ir import Kernel
 
 # weight layouts a kernel may ask for: name -> storage bytes in that layout
 LAYOUTS = {"q8_0_cols16": pack_q8_0_cols16, "q8_0_cols16_dp4": functools.partial(pack_q8_0_cols16, dp4=True),
-           "as_stored": np.ascontiguousarray}
+           "as_stored": np.ascontiguousarray} | {
+    cols16_layout(d): functools.partial(pack_blocks_cols16, dtype=d) for d in TILED_BLOCK_TYPES}
 # rows of a matrix each layout packs together: a run of whole units packs on its own
-_ROW_UNIT = {"q8_0_cols16": COLS, "q8_0_cols16_dp4": COLS, "as_stored": 1}
+_ROW_UNIT = {name: 1 if name == "as_stored" else COLS for name in LAYOUTS}
 PART_BYTES = 8 << 20  # the most of a weight the runner reads and packs at once
 
 

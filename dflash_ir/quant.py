@@ -184,3 +184,37 @@ def pack_q8_0_cols16(storage: np.ndarray, dp4: bool = False) -> np.ndarray:
     else:    # [g, b, kk, row]
         quants = blocks[..., 2:].transpose(0, 2, 3, 1).reshape(-1, nb, COLS * 32)
     return np.concatenate([scales, quants], axis=2).reshape(-1)
+
+
+# block types the CPU tiles decode 16 outputs at a time (pack_blocks_cols16): those whose
+# decoders are arithmetic on bytes; the codebook types (a table lookup per element) go rowwise
+TILED_BLOCK_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K,
+                     DType.Q6_K)
+
+
+def cols16_layout(dtype: DType) -> str:
+    """The name of `dtype`'s CPU-tile pack (backends/plan.LAYOUTS)."""
+    return "q8_0_cols16" if dtype is DType.Q8_0 else f"{dtype.value}_cols16"
+
+
+def pack_blocks_cols16(storage: np.ndarray, dtype: DType) -> np.ndarray:
+    """Rows of block type `dtype` (storage [n, nb * block_bytes], an even block size) in groups
+    of 16 rows, block by block, as the blocks' 16-bit words side by side: word w of row c's
+    block b of group g (its bytes 2w and 2w + 1, little-endian) at u16 index
+    ((g * nb + b) * block_bytes / 2 + w) * 16 + c. So one 16-wide u16 load holds the same word
+    of 16 rows' blocks, and the CPU tiles run a block decoder (dflash_ir/blocks.py) on 16
+    outputs at once, every read a vector. Rows past n (to a multiple of 16) are zero. A stack of
+    matrices is packed matrix by matrix, as pack_q8_0_cols16."""
+    nbytes = dtype.block_bytes
+    if not dtype.is_block or nbytes % 2:
+        raise ValueError(f"pack_blocks_cols16 packs block types of an even block size, not {dtype}")
+    rows = np.ascontiguousarray(storage, dtype=np.uint8)
+    if rows.ndim > 2:
+        return np.concatenate([pack_blocks_cols16(m, dtype) for m in rows.reshape(-1, *rows.shape[-2:])])
+    rows = rows.reshape(-1, rows.shape[-1])
+    nb = rows.shape[1] // nbytes
+    padded = np.zeros((-(-len(rows) // COLS) * COLS, nb, nbytes), np.uint8)
+    padded[:len(rows)] = rows.reshape(len(rows), nb, nbytes)
+    words = padded[..., 0::2].astype(np.uint16) | (padded[..., 1::2].astype(np.uint16) << 8)  # [row, b, w]
+    grouped = words.reshape(-1, COLS, nb, nbytes // 2).transpose(0, 2, 3, 1)             # [g, b, w, row]
+    return np.ascontiguousarray(grouped).astype("<u2").view(np.uint8).reshape(-1)

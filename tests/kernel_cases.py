@@ -203,6 +203,11 @@ for _t in (1, 3, 9):  # the CPU tiles' row buckets: 1, up to 4, past 8
     case(f"fused_matmul_norm_group_{_t}_rows", T=_t)(_fused_matmul(Q8, (24, 8, 36), True, "none"))
     case(f"fused_matmul_norm_swiglu_{_t}_rows", T=_t)(_fused_matmul(Q8, (40, 40), True, "swiglu"))
 case("fused_matmul_norm_one_f16", T=2)(_fused_matmul(F16, (20,), True, "none"))
+# block types in the CPU tiles, each in another row bucket (1, up to 4, a walk past 16)
+for _dt, _t in ((DType.Q4_K, 1), (DType.Q6_K, 3), (DType.Q3_K, 20)):
+    _k = 2 * _dt.block_size if _dt.block_size > 32 else 96
+    case(f"fused_matmul_norm_group_{_dt}_{_t}_rows", T=_t)(_fused_matmul(_dt, (24, 8, 36), True, "none", k=_k))
+    case(f"fused_matmul_norm_swiglu_{_dt}_{_t}_rows", T=_t)(_fused_matmul(_dt, (40, 40), True, "swiglu", k=_k))
 case("fused_matmul_norm_swiglu_gemm", T=21)(_fused_matmul(Q8, (40, 40), True, "swiglu", form="gemm"))
 case("fused_matmul_swiglu_q8_x", T=5)(_fused_matmul(Q8, (48, 48), False, "swiglu", q8=True))
 for _dt in (F16, Q8):

@@ -168,3 +168,36 @@ def test_q8_0_cols16_packs_each_quant_where_the_tiles_read_it(dp4):
             for kk in range(32):
                 offset = 64 * (kk // 4) + 4 * lane + kk % 4 if dp4 else 16 * kk + lane
                 assert packed[at + 32 + offset] == want[2 + kk]
+
+
+
+@pytest.mark.parametrize("dtype", [DType.Q4_K, DType.Q6_K, DType.Q5_0, DType.Q4_1])
+def test_block_cols16_packs_each_word_where_the_tiles_read_it(dtype):
+    """Word w (bytes 2w, 2w + 1) of row (16 g + lane)'s block b at u16 index
+    ((g * nb + b) * bytes / 2 + w) * 16 + lane; rows past n zero."""
+    from dflash_ir.quant import pack_blocks_cols16
+
+    n, nb = 21, 2
+    storage = np.random.default_rng(4).integers(0, 256, (n, nb * dtype.block_bytes), dtype=np.uint8)
+    words = pack_blocks_cols16(storage, dtype).view("<u2")
+    W = dtype.block_bytes // 2
+    assert words.size == 32 * nb * W
+    for row in range(32):
+        g, lane = divmod(row, 16)
+        for b in range(nb):
+            block = storage[row, b * dtype.block_bytes:(b + 1) * dtype.block_bytes] if row < n else None
+            for w in range(W):
+                want = 0 if block is None else int(block[2 * w]) + 256 * int(block[2 * w + 1])
+                assert words[((g * nb + b) * W + w) * 16 + lane] == want
+
+
+def test_block_cols16_refuses_odd_blocks_and_packs_expert_banks_matrix_by_matrix():
+    from dflash_ir.quant import pack_blocks_cols16
+
+    with pytest.raises(ValueError, match="even block size"):
+        pack_blocks_cols16(np.zeros((16, 17), np.uint8), DType.MXFP4)
+    bank = np.random.default_rng(5).integers(0, 256, (3, 20, 144), dtype=np.uint8)  # 3 experts of 20 rows
+    packed = pack_blocks_cols16(bank, DType.Q4_K)
+    per = pack_blocks_cols16(bank[0], DType.Q4_K).size
+    assert packed.size == 3 * per
+    assert all(np.array_equal(packed[e * per:(e + 1) * per], pack_blocks_cols16(bank[e], DType.Q4_K)) for e in range(3))

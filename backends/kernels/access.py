@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
+from dflash_ir.quant import COLS
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
@@ -97,6 +98,39 @@ class _BlockLoads:
     @staticmethod
     def table(name: str, values, index: K) -> K:
         return call_function(_table(name, tuple(values)), index)
+
+
+class Cols16Loads(_BlockLoads):
+    """The block decoders' reader over 16 outputs at once: block `word` (a u16 index) of a
+    quant.pack_blocks_cols16 pack, where each 16-bit word of the block is 16 rows' words side
+    by side. Every read is a 16-wide vector (one lane per output), every byte index a scalar
+    (the decoders address bytes by element and sub-block only), so the decoder's arithmetic
+    runs lane-wise, unchanged."""
+
+    def __init__(self, buf: Buffer, word: K):
+        super().__init__(buf, word)
+
+    def _word(self, byte) -> K:
+        return self.block + (byte >> 1) * COLS
+
+    def u8(self, byte) -> K:
+        word = self.buf.load(self._word(byte), "u16", COLS)
+        return (word >> ((byte & 1) * 8)) & 255
+
+    def f16(self, byte: int) -> K:
+        return self.buf.load(self._word(byte), "f16", COLS)
+
+    @staticmethod
+    def f32(x) -> K:
+        return cast(F32.vec(COLS), x)
+
+    @staticmethod
+    def f32_bits(x: K) -> K:
+        return bitcast(F32.vec(COLS), cast(I32.vec(COLS), x))
+
+    @staticmethod
+    def table(name: str, values, index: K) -> K:
+        raise NotImplementedError("codebook types have no 16-lane table lookup: they take the rowwise kernel")
 
 
 def _table(name: str, values: tuple) -> Function:

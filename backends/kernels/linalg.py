@@ -3,7 +3,8 @@ expert_matmul and the fused MoE layer are in kernels/moe.py, on the same tiles.
 
 Weights are read in their storage type (f32, f16, bf16 or Q8_0 blocks of fp16 d + 32 int8,
 34 bytes, so only 2-byte aligned: scales and pairs of quants are read as u16), or on the CPU
-profile as Q8_0 packed for the tiles (quant.pack_q8_0_cols16). The GEMV takes a Q8_0 block's
+profile packed for the tiles, 16 outputs side by side (quant.pack_q8_0_cols16 for Q8_0,
+quant.pack_blocks_cols16 for the other block types, decoded lane-wise). The GEMV takes a Q8_0 block's
 scale out of its dot product (d * sum(q * x): a third fewer multiplies where the weight read
 should be the only cost); elsewhere values are the reference's d * q exactly.
 """
@@ -22,8 +23,8 @@ from dflash_ir.types import Dim
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, dpbusd, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
-from .access import Q8_BLOCK, SIGMOID, q8_row_bytes, weight_at, weight_chunk
-from dflash_ir.quant import COLS_BLOCK_BYTES
+from .access import Q8_BLOCK, SIGMOID, Cols16Loads, q8_row_bytes, weight_at, weight_chunk
+from dflash_ir.quant import COLS_BLOCK_BYTES, TILED_BLOCK_TYPES, cols16_layout
 from .fused import fused_matmul_parts
 from .shapes import FLAT, cdiv, flat_launch, prod
 
@@ -71,9 +72,22 @@ def embedding(ctx: NodeCtx) -> None:
     flat_launch(ctx, compute, inputs=[packed, ids])
 
 
-def tile_layout(ctx: NodeCtx, x_q8: bool) -> str:
-    """The Q8_0 pack the CPU tiles read: the dp4 one where they sum Q8_0 x with VPDPBUSD."""
-    return "q8_0_cols16_dp4" if x_q8 and "avx512_vnni" in ctx.isa else "q8_0_cols16"
+def tile_layout(ctx: NodeCtx, x_q8: bool, dtype: DType = DType.Q8_0) -> str:
+    """The pack the CPU tiles read: Q8_0's (the dp4 one where they sum Q8_0 x with VPDPBUSD),
+    or another block type's words side by side."""
+    return "q8_0_cols16_dp4" if x_q8 and "avx512_vnni" in ctx.isa else cols16_layout(dtype)
+
+
+def tiled(x: Value, w: Value) -> bool:
+    """Whether the CPU tiles take x @ wᵀ: Q8_0 weights, or another block type's times f32 x."""
+    dtype = w.type.dtype
+    return dtype is DType.Q8_0 or (dtype in TILED_BLOCK_TYPES and x.type.dtype is DType.F32)
+
+
+def group_bytes(dtype: DType, k: int) -> int:
+    """Bytes of one group of 16 rows with rows of k in the tiles' pack of `dtype` (either pack
+    holds each row's bytes once)."""
+    return k // dtype.block_size * dtype.block_bytes * COLS
 
 
 def _cols16_at(buf: Buffer, row: K, col: K, k: int, layout: str) -> K:
@@ -305,10 +319,10 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list,
     silu(x @ w0ᵀ) * (x @ w1ᵀ) into the one output (both only where the caller checked that
     this profile's kernel takes them). GPU profile: the node's `form` chooses a GEMV (a few
     rows: a decode, verify or draft block) or a tiled GEMM; a node without one (a plain f32
-    matmul) gets both and the launch picks one per call by its row count. CPU profile: Q8_0
-    weights in register tiles (_tiled_product), other weights in the rowwise schedule."""
+    matmul) gets both and the launch picks one per call by its row count. CPU profile: block
+    types in register tiles (_tiled_product, `tiled`), other weights in the rowwise schedule."""
     dtype, k = weights[0].type.dtype, weights[0].type.shape[1]
-    if ctx.profile == "cpu" and dtype is DType.Q8_0:
+    if ctx.profile == "cpu" and tiled(x_value, weights[0]):
         _tiled_product(ctx, x_value, weights, outs, res[0] if res else None, norm=norm, swiglu=swiglu)
         return
     widths = [o.type.shape[-1] for o in outs]
@@ -369,10 +383,11 @@ TILES = {False: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 4, 3, 4), (8, 2, 5, 8), (16, 1,
 
 @dataclass(frozen=True)
 class Tiled:
-    """What a CPU tile computes: the products of x with `weights` (Q8_0, packed one after
-    another by quant.pack_q8_0_cols16, each padded to whole groups of 16 rows), optionally
-    RMS-normalising x first (`norm`: weight value and eps) and adding `residual`, and
-    writing each product to its output, or silu(product 0) * product 1 with `swiglu`."""
+    """What a CPU tile computes: the products of x with `weights` (of one block type, packed one
+    after another by quant.pack_q8_0_cols16 or pack_blocks_cols16, each padded to whole groups
+    of 16 rows), optionally RMS-normalising x first (`norm`: weight value and eps) and adding
+    `residual`, and writing each product to its output, or silu(product 0) * product 1 with
+    `swiglu`."""
 
     x: Value
     weights: tuple
@@ -406,7 +421,7 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
     """Launch the CPU tiles of a product, one kernel per row-count bucket (TILES)."""
     t = Tiled(x, tuple(weights), tuple(outs), residual, norm, swiglu)
     x_q8 = x.type.dtype is DType.Q8_0
-    layout = tile_layout(ctx, x_q8)
+    layout = tile_layout(ctx, x_q8, weights[0].type.dtype)
     packed = ctx.packed(weights, layout)
     M = prod(x.type.shape[:-1])
     fixed = M.arg if M.op == "const" else None
@@ -465,14 +480,15 @@ def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: in
 def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K, dp4: bool) -> None:
     """Rows r0 .. r0+R-1 of the work-item's units (_tiles)."""
     x, w = bufs["x"], bufs["w"]
-    k, nb = t.k, t.k // 32
+    dtype = t.weights[0].type.dtype
+    k, nb = t.k, t.k // dtype.block_size
     x_q8 = t.x.type.dtype is DType.Q8_0
     V = F32.vec(COLS)
     rows = [kb.let(f"xr{r}", cast(I64, minimum(r0 + r, M - 1))) for r in range(R)]
     # the work-item's groups: unit u is group u, or gate group u and up group u + starts[1]
     slots = [(p, m) for p in range(P) for m in ((0, 1) if t.swiglu else (0,))]
     group = [minimum(u0 + p, t.units - 1) + (t.starts[1] if m else 0) for p, m in slots]
-    base = [kb.let(f"wg{j}", cast(I64, g) * (nb * COLS_BLOCK_BYTES)) for j, g in enumerate(group)]
+    base = [kb.let(f"wg{j}", cast(I64, g) * group_bytes(dtype, k)) for j, g in enumerate(group)]
     G = len(slots)
     inv = [kb.let(f"inv{r}", _inverse_rms(kb, x, rows[r] * k, k, t.norm[1], r)) for r in range(R)] if t.norm else []
     acc = {(r, j): kb.let(f"acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(G)}
@@ -481,24 +497,27 @@ def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K
         def norm_at(i: K) -> K:
             return weight_at(t.norm[0].type.dtype, bufs["norm"], const(0), i, k)
     q8_x = (x, rows) if x_q8 else None
-    tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, b, kk: x[rows[r] * k + b * 32 + kk], norm_at, q8_x,
-              dp4)
+    tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype)
     _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
 
 
 def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
-                x_at: Callable[[int, K, K], K], norm_at: Callable[[K], K] | None = None,
-                q8_x: tuple[Buffer, list[K]] | None = None, dp4: bool = False) -> None:
+              x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None = None,
+              q8_x: tuple[Buffer, list[K]] | None = None, dp4: bool = False, dtype: DType = DType.Q8_0) -> None:
     """The inner loops of a CPU tile (dense products and the expert products of kernels/moe.py):
-    for Q8_0 blocks 0 .. nb-1 of each group j (its buffer, and the byte of its first block in
-    quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r, b,
-    kk)`: element 32 b + kk, f32) into the 16-wide sums acc[r, j], one FMA per input index in
-    order (a row's sums are the same sequence of FMAs whatever R is). `norm_at(i)`: a norm
-    weight folded into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first
-    element): exact integer block sums, scaled by both scales; with `dp4` (the weights in the
-    dp4 layout) the integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers."""
+    for blocks 0 .. nb-1 of each group j (its buffer, and the byte of its first block in
+    quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r,
+    i)`: element i, f32) into the 16-wide sums acc[r, j], one FMA per input index in order (a
+    row's sums are the same sequence of FMAs whatever R is). `norm_at(i)`: a norm weight folded
+    into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first element): exact
+    integer block sums, scaled by both scales; with `dp4` (the weights in the dp4 layout) the
+    integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers. Another block `dtype`
+    (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums."""
     V = F32.vec(COLS)
     G = len(groups)
+    if dtype is not DType.Q8_0:
+        _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at)
+        return
     if dp4:
         _dp4_tile_sums(kb, groups, nb, acc, R, q8_x)
         return
@@ -515,7 +534,7 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
             wv = [kb.let(f"w{j}", quant[j] if q8_x else quant[j] * scale[j] * nw if norm_at else quant[j] * scale[j])
                   for j in range(G)]
             for r in range(R):
-                xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + kk, "i8")) if q8_x else x_at(r, b, kk))
+                xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + kk, "i8")) if q8_x else x_at(r, b * 32 + kk))
                 for j in range(G):
                     target = dot[r, j] if q8_x else acc[r, j]
                     kb.set(target, call("fma", wv[j], xv, target))
@@ -524,6 +543,35 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
                 dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
                 for j in range(G):
                     kb.set(acc[r, j], call("fma", dot[r, j], scale[j] * dx, acc[r, j]))
+
+
+def _block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
+                     x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None) -> None:
+    """tile_sums over a block type's pack: per block and sub-block, each group's 16 scales and
+    offsets decoded once as vectors (the block decoder run lane-wise, access.Cols16Loads), then
+    per input index its 16 codes, value = scale * code + offset in ggml's order, and one FMA
+    per row and group, as for Q8_0."""
+    fmt = DECODERS[dtype]
+    size, words = dtype.block_size, dtype.block_bytes // 2
+    G = len(groups)
+    with kb.loop("b", 0, nb) as b:
+        blocks = [Cols16Loads(w, kb.let(f"at{j}", base / 2 + b * (words * COLS))) for j, (w, base) in enumerate(groups)]
+        with kb.loop("s", 0, size // fmt.sub) as s:
+            scale = [kb.let(f"sc{j}", fmt.scale(blk, s)) for j, blk in enumerate(blocks)]
+            offset = [kb.let(f"of{j}", fmt.offset(blk, s)) for j, blk in enumerate(blocks)] if fmt.offset else None
+            with kb.loop("e", 0, fmt.sub, unroll=UNROLL) as e:
+                i = kb.let("i", s * fmt.sub + e)
+                if norm_at:
+                    nw = kb.let("nw", norm_at(b * size + i))
+                wv = []
+                for j, blk in enumerate(blocks):
+                    value = scale[j] * fmt.code(blk, i)
+                    value = value + offset[j] if offset else value
+                    wv.append(kb.let(f"w{j}", value * nw if norm_at else value))
+                for r in range(R):
+                    xv = kb.let(f"x{r}", x_at(r, b * size + i))
+                    for j in range(G):
+                        kb.set(acc[r, j], call("fma", wv[j], xv, acc[r, j]))
 
 
 def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[list[K], list[K]]:
@@ -613,14 +661,14 @@ def _store_member(kb: KernelSpec, t: Tiled, i: int, out: Buffer, row: K, unit: K
 
 @lowers("fused_matmul")
 def fused_matmul(ctx: NodeCtx) -> None:
-    """One kernel with the norm and the SwiGLU inside: the CPU tiles (Q8_0 weights) and the
+    """One kernel with the norm and the SwiGLU inside: the CPU tiles (block-type weights) and the
     GPU GEMV (f32 x, a few rows). Elsewhere (a prefill's GEMM) the parts' kernels
     (kernels/fused.py)."""
     a = ctx.attr
     x, *operands = ctx.ins
     norm = (operands[0], a["norm_eps"]) if a["norm_eps"] is not None else None
     weights = operands[1:] if norm else operands
-    cpu_tiles = ctx.profile == "cpu" and weights[0].type.dtype is DType.Q8_0
+    cpu_tiles = ctx.profile == "cpu" and tiled(x, weights[0])
     gpu_gemv = ctx.profile == "gpu" and a["form"] == "gemv" and x.type.dtype is DType.F32
     if not (cpu_tiles or gpu_gemv):
         fused_matmul_parts(ctx)

@@ -185,7 +185,7 @@ def _expert_tiles(ctx: NodeCtx, op: str, job: Products, per: int,
         groups = [(w, kb.let(f"{pre}wg{p}_{m}", bank.group_at(ex, minimum(u0 + p, units - 1))))
                   for p in range(per) for m, w in enumerate(ws)]
         acc = {(r, j): kb.let(f"{pre}acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(len(groups))}
-        tile_sums(kb, groups, nb, acc, R, lambda r, b, kk: xb[xo[r] + b * 32 + kk])
+        tile_sums(kb, groups, nb, acc, R, lambda r, i: xb[xo[r] + i])
         for r in range(R):
             for p in range(per):
                 with kb.if_(u0 + p < units):

@@ -207,6 +207,8 @@ static inline float round_f16(float v) {
             return f"convert_int{n}(as_char{n}(vload{n}(0, {p.name} + ({index}))))"
         if view == "i32" and p.ctype == "u8":  # 4-byte words of a byte buffer (index in words)
             return f"vload{n}(0, {self._typed(p, 'int')} + ({index}))"
+        if view == "u16":
+            return f"convert_int{n}(vload{n}(0, {self._typed(p, 'ushort')} + ({index})))"
         if view == "f16":
             if n != 16:
                 raise ValueError("f16 vector loads are 16 wide")

@@ -36,10 +36,23 @@ def wide_target(tmp_path_factory):
     return get
 
 
-@pytest.fixture(params=[("opencl", "cpu"), ("opencl", "gpu"), ("vulkan", None), ("tvm-llvm", None), ("cuda", None)],
-                ids=lambda p: "-".join(filter(None, p)))
+DEVICES = [("opencl", "cpu"), ("opencl", "gpu"), ("vulkan", None), ("tvm-llvm", None), ("cuda", None)]
+
+
+@pytest.fixture(params=DEVICES, ids=lambda p: "-".join(filter(None, p)))
 def device(request, monkeypatch):
-    name, profile = request.param
+    return _device(request.param, monkeypatch)
+
+
+# lavapipe takes ~10 minutes to build the K-quant mix's CPU tiles (scalarized, every row bucket);
+# its kernels are the OpenCL ones, checked kernel by kernel on lavapipe in test_vulkan_kernels
+@pytest.fixture(params=[d for d in DEVICES if d[0] != "vulkan"], ids=lambda p: "-".join(filter(None, p)))
+def k_quant_device(request, monkeypatch):
+    return _device(request.param, monkeypatch)
+
+
+def _device(param, monkeypatch) -> str:
+    name, profile = param
     reason = get_backend(name).unavailable_reason()
     if reason:
         pytest.skip(f"{name}: {reason}")
@@ -48,10 +61,34 @@ def device(request, monkeypatch):
     return name
 
 
+@pytest.fixture(scope="module")
+def q4_k_m_target(tmp_path_factory):
+    """A generated qwen35 target in llama-quantize's Q4_K_M mix (K of 512 and 768: whole K-quant blocks)."""
+    from dflash_ir.benchmark.peer import PeerCrashed, peer_unavailable, quantize
+
+    if reason := peer_unavailable():
+        pytest.skip(reason)
+    d = tmp_path_factory.mktemp("q4_k_m")
+    write_target(d / "f16.gguf", tiny_target_config("qwen35", hidden=512, ff=768), dtype="f16", seed=2)
+    try:
+        return quantize(d / "f16.gguf", d / "target.gguf", "Q4_K_M")
+    except PeerCrashed as e:
+        pytest.skip(str(e))
+
+
 @pytest.mark.parametrize("numerics", ["exact", "q8"])
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(device, wide_target, arch, numerics, tmp_path):
-    engine = load_compiled(compile_pair(wide_target(arch), None, out=tmp_path / "art", backend=device, n_ctx=64,
+    _check_rows(wide_target(arch), device, numerics, tmp_path)
+
+
+def test_a_q4_k_m_rows_logits_do_not_depend_on_the_rows_beside_it(k_quant_device, q4_k_m_target, tmp_path):
+    """The K-quant products (the CPU tiles decode their blocks 16 outputs at a time) too."""
+    _check_rows(q4_k_m_target, k_quant_device, "exact", tmp_path)
+
+
+def _check_rows(target, device: str, numerics: str, tmp_path) -> None:
+    engine = load_compiled(compile_pair(target, None, out=tmp_path / "art", backend=device, n_ctx=64,
                                         numerics=numerics), load_tokenizer=False)
     runner = engine.target
     runner.prefill(PROMPT)

@@ -66,9 +66,11 @@ def test_a_token_is_five_launches_per_layer(graphs, profile, name, rows):
     assert len(kernels) == PER_LAYER * LAYERS + 4
 
 
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
 @pytest.mark.parametrize("name, rows", [("target.decode", 1), ("target.verify", 16)])
-def test_a_q4_k_m_file_on_the_gpu_schedule_is_five_launches_per_layer(tmp_path, name, rows):
-    """What llama.cpp users run: llama-quantize's Q4_K_M mix (Q4_K, Q6_K, ...) fuses as Q8_0 does."""
+def test_a_q4_k_m_file_is_five_launches_per_layer(tmp_path, name, rows, profile):
+    """What llama.cpp users run: llama-quantize's Q4_K_M mix (Q4_K, Q6_K, ...) fuses as Q8_0 does,
+    on the GPU GEMV and in the CPU tiles."""
     reason = peer_unavailable()
     if reason:
         pytest.skip(reason)
@@ -85,7 +87,7 @@ def test_a_q4_k_m_file_on_the_gpu_schedule_is_five_launches_per_layer(tmp_path, 
     split = sum(len({types[f"blk.{i}.{p}.weight"] for p in INPUT_PROJECTIONS if f"blk.{i}.{p}.weight" in types}) - 1
                 for i in range(LAYERS))
     assert split > 0
-    kernels = launched(open_pair(target, opt_level=2).graphs[name], "gpu", rows)
+    kernels = launched(open_pair(target, opt_level=2).graphs[name], profile, rows)
     assert not [k for k in kernels if k.startswith(("rmsnorm", "swiglu"))]
     assert len(kernels) == PER_LAYER * LAYERS + 3 + split  # no tap concat: the target alone
 

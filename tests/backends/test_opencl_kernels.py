@@ -24,13 +24,22 @@ def test_profile_follows_the_device_unless_forced(opencl, monkeypatch):
     assert opencl.profile() == "gpu"
 
 
-def test_cpu_profile_schedules_q8_0_matmuls_as_register_tiles(monkeypatch, tmp_path):
+def test_cpu_profile_schedules_block_type_matmuls_as_register_tiles(monkeypatch, tmp_path):
+    """Q8_0 and every block type whose decoder is arithmetic (quant.TILED_BLOCK_TYPES) go
+    through the tiles over their packs; a codebook type and F16 through the rowwise kernel."""
     from dflash_ir.backends.lowering import lower
 
     graph = CASES["matmul_q8_0_16_rows"].build().b.build()
     plan = lower(graph, "cpu")
     assert {k.op for k in plan.kernels.values()} == {"matmul_tiles"}
     assert [p for p in plan.packs.values()] == [(("w",), "q8_0_cols16")]
+    for name, layout in (("matmul_q4_k_16_rows", "q4_k_cols16"), ("matmul_q6_k_1_rows", "q6_k_cols16"),
+                         ("fused_matmul_norm_swiglu_q3_k_20_rows", "q3_k_cols16")):
+        plan = lower(CASES[name].build().b.build(), "cpu")
+        assert {k.op for k in plan.kernels.values()} == {"matmul_tiles"}, name
+        assert {layout for _, layout in plan.packs.values()} == {layout}, name
+    codebook = next(n for n in CASES if n.startswith("matmul_iq4_nl_"))
+    assert {k.op for k in lower(CASES[codebook].build().b.build(), "cpu").kernels.values()} == {"matmul_rows"}
     assert {k.op for k in lower(CASES["matmul_f16_5_rows"].build().b.build(), "cpu").kernels.values()} == {"matmul_rows"}
     assert {k.op for k in lower(graph, "gpu").kernels.values()} == {"matmul_gemv", "matmul_gemm"}
     with pytest.raises(ValueError, match="unknown device profile 'tpu'"):

@@ -333,8 +333,8 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
     check_weights(graphs, files, str(path))
     # the interpreter reads weights at its first call, not at load: its loads have no weight progress
     weights = FileWeights(files, graphs=graphs, progress=progress if be.name != "numpy" else lambda msg: None)
-    check_fits(graphs, files, n_ctx=cfg["n_ctx"], block_size=_block_size(cfg.get("draft")),
-               dequantised=be.name == "numpy", where=str(path), progress=progress)
+    need = check_fits(graphs, files, n_ctx=cfg["n_ctx"], block_size=_block_size(cfg.get("draft")),
+                      dequantised=be.name == "numpy", where=str(path), progress=progress)
     programs = {}
     for i, (name, entry) in enumerate(manifest["programs"].items(), 1):
         progress(f"[{i}/{len(manifest['programs'])}] loading {name} on {be.name}")
@@ -343,7 +343,8 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
                          draft_cfg=cfg.get("draft"),
                          target_meta=files["target"].metadata if load_tokenizer else None,
                          target_source=str(files["target"].path),
-                         info={"artifact": str(path), "backend": manifest["backend"], "sources": manifest["sources"]})
+                         info={"artifact": str(path), "backend": manifest["backend"], "sources": manifest["sources"],
+                               "memory_need": need})
     if measure_costs and engine.draft is not None:
         from dflash_ir.runtime.costs import artifact_costs
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 
 from .errors import ArtifactError
 from .ir import Graph, Weight
-from .memory import check_memory, memory_need
+from .memory import MemoryNeed, check_memory, memory_need
 from .models.checks import MAX_POSITIONS
 from .quant import storage_shape
 
@@ -54,11 +54,12 @@ def weight_bytes(files: Mapping[str, Any], dequantised: bool) -> Callable[[Weigh
 
 
 def check_fits(graphs: Mapping[str, Graph], files: Mapping[str, Any], *, n_ctx: int, block_size: int,
-               dequantised: bool, where: str, progress: Callable[[str], None] = lambda msg: None) -> None:
+               dequantised: bool, where: str, progress: Callable[[str], None] = lambda msg: None) -> MemoryNeed:
     """Say what the pair needs and refuse it when the machine has less (MemoryLimitError)."""
     need = memory_need(graphs, weight_bytes(files, dequantised), n_ctx, block_size)
     progress(f"memory needed: {need.describe()}")
     check_memory(need, where)
+    return need
 
 
 def check_weights(graphs: Mapping[str, Graph], files: Mapping[str, Any], where: str) -> None:

@@ -202,6 +202,31 @@ def tiny_draft_config(target_cfg: TargetConfig, **overrides: Any) -> DraftConfig
     return cfg
 
 
+# Real model shapes (../shared/docs/QWEN35.md section 1, DFLASH.md section 2.4) with random
+# weights: what real files cost in compile time, load time, memory and speed, without the files.
+REAL_TARGETS: dict[str, dict[str, Any]] = {
+    "qwen35-9b": dict(arch="qwen35", ff=12288, hidden=4096, n_layer=32, n_head=16, n_head_kv=4),
+    "qwen36-35b-a3b": dict(arch="qwen35moe", n_expert=256, n_expert_used=8, expert_ff=512, shared_ff=512,
+                           hidden=2048, n_layer=40, n_head=16, n_head_kv=2),
+}
+_QWEN35_FAMILY = dict(vocab_size=248320, head_dim=256, n_rot=64, rope_sections=(11, 11, 10, 0), ssm_d_state=128,
+                      ssm_n_group=16, ssm_dt_rank=32, ssm_inner=4096, tied_output=False, context_length=262144)
+REAL_DRAFTS: dict[str, dict[str, Any]] = {  # z-lab's drafts; target_layers as GGUF stores them (HF ids + 1)
+    "qwen35-9b": dict(n_layer=5, n_head=32, n_head_kv=8, head_dim=128, ff=12288, target_layers=(2, 9, 16, 23, 30)),
+    "qwen36-35b-a3b": dict(n_layer=8, n_head=32, n_head_kv=4, head_dim=128, ff=6144,
+                           target_layers=(2, 11, 20, 29, 38)),
+}
+
+
+def real_configs(name: str) -> tuple[TargetConfig, DraftConfig]:
+    """The target and DFlash draft configs of a real model (`REAL_TARGETS`' names)."""
+    if name not in REAL_TARGETS:
+        raise ValueError(f"no real shape {name!r}; known: {', '.join(REAL_TARGETS)}")
+    fields = dict(REAL_TARGETS[name])
+    target = tiny_target_config(fields.pop("arch"), **_QWEN35_FAMILY, **fields)
+    return target, tiny_draft_config(target, **REAL_DRAFTS[name])
+
+
 # -- plans ----------------------------------------------------------------------------------
 
 
@@ -331,9 +356,25 @@ def write_gguf(path: str | os.PathLike[str], plan: GGUFPlan) -> Path:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for t in plan.tensors.values():  # one tensor's values in memory at a time
-        writer.write_tensor_data(quant.quantize(t.values_to_write(), t.dtype))
+        writer.write_tensor_data(_stored(t.values_to_write(), t.dtype))
     writer.close()
     return path
+
+
+QUANTIZE_CHUNK = 1 << 24  # elements rounded at once: the rounding's temporaries stay ~0.3 GB for any tensor
+
+
+def _stored(values: np.ndarray, dtype: DType) -> np.ndarray:
+    """`quant.quantize(values, dtype)`, a chunk of rows at a time (every stored type rounds rows
+    independently), so a 248k x 4096 embedding needs its values and its storage, not 4x its values."""
+    if values.ndim < 2 or values.size <= QUANTIZE_CHUNK:
+        return quant.quantize(values, dtype)
+    rows = values.reshape(-1, values.shape[-1])
+    stored = np.empty(quant.storage_shape(rows.shape, dtype), dtype.numpy())
+    step = max(1, QUANTIZE_CHUNK // rows.shape[1])
+    for i in range(0, len(rows), step):
+        stored[i:i + step] = quant.quantize(rows[i:i + step], dtype)
+    return stored.reshape(quant.storage_shape(values.shape, dtype))
 
 
 def write_target(path: str | os.PathLike[str], cfg: TargetConfig, **kwargs: Any) -> Path:
@@ -403,14 +444,18 @@ def _replay(state: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Random values distributed like the converted weights (see the module docstring)."""
-    normal = rng.standard_normal(shape, dtype=np.float32)
+    normal = rng.standard_normal(shape, dtype=np.float32)  # scaled in place: one copy of a 4 GB embedding
     if name.endswith("norm.weight"):
-        return 1 + np.float32(0.1) * normal
+        normal *= np.float32(0.1)
+        normal += np.float32(1)
+        return normal
     if name.endswith(".ssm_a"):
         return -rng.uniform(0.5, 8.0, shape).astype(np.float32)
     if name.endswith((".ssm_dt.bias", ".ssm_conv1d.weight")) or name == "token_embd.weight":
-        return np.float32(0.5) * normal
-    return normal / np.float32(math.sqrt(shape[-1]))
+        normal *= np.float32(0.5)
+        return normal
+    normal /= np.float32(math.sqrt(shape[-1]))
+    return normal
 
 
 def _hybrid_metadata(cfg: TargetConfig) -> dict[str, Any]:

@@ -10,6 +10,10 @@ results.md and PNG plots to --out.
     dflash-bench --suites serve -b opencl --models demo
                                                   dflash-serve's aggregate tokens/s, 1/2/4 clients,
                                                   verify blocks batched or not
+    dflash-bench --suites scale -b opencl --models qwen35-9b
+                                                  a real-size model (generated once, ~10 GB):
+                                                  compile, cold/warm load, peak RSS, speed, and
+                                                  llama.cpp's on the same file
     dflash-bench --quick                          small shapes and models: a smoke run
 """
 from __future__ import annotations
@@ -33,13 +37,14 @@ from . import kernels as kernel_suite
 from . import limits as limit_suite
 from . import models as model_suite
 from . import peer as peer_suite
+from . import scale as scale_suite
 from . import serve as serve_suite
 from . import tau as tau_suite
 from .measure import time_calls
-from .report import Results, write_all
+from .report import Results, scale_line, write_all
 
-SUITES = ("limits", "kernels", "e2e", "tau", "serve", "peer")
-MODELS = ("demo", "synthetic")
+SUITES = ("limits", "kernels", "e2e", "tau", "serve", "peer", "scale")
+MODELS = ("demo", "synthetic")  # the default; model_suite.REAL_MODELS when named
 
 
 def _machine() -> dict[str, str]:
@@ -139,8 +144,12 @@ class Bench:
             elif name == "synthetic":
                 chosen.append(self.attempt("models/synthetic", lambda: model_suite.synthetic_model(
                     small=self.args.quick, progress=self.say)))
+            elif name in model_suite.REAL_MODELS:
+                chosen.append(self.attempt(f"models/{name}", lambda name=name: model_suite.real_model(
+                    name, progress=self.say)))
             else:
-                raise SystemExit(f"dflash-bench: unknown model {name!r}; known: {', '.join(MODELS)}")
+                known = ", ".join((*MODELS, *model_suite.REAL_MODELS))
+                raise SystemExit(f"dflash-bench: unknown model {name!r}; known: {known}")
         return [m for m in chosen if m]
 
     def end_to_end(self, backends, models) -> None:
@@ -226,6 +235,22 @@ class Bench:
                          f"  decode {row.decode_tps:7.1f} tok/s  verify-16 = {row.verify16_steps:.2f} decode steps  "
                          f"greedy tokens equal ours ({mine['backend']}): {d['matching_tokens']}/{row.generated_tokens}")
 
+    def scale(self, backends, models) -> None:
+        self.say("\n== scale: compile, load, memory and speed, each in a process of its own ==")
+        peer = peer_suite.peer_unavailable()
+        if peer:
+            self.say(f"  llama.cpp skipped: {peer}")
+        for m in models:
+            self.say(f"  model {m.name}: {m.description}")
+            runs = [(b.name, lambda b=b: scale_suite.run_scale(b.name, m, self.work / "scale"))
+                    for b in backends]
+            runs += [] if peer else [("llama.cpp", lambda: scale_suite.run_llama_cpp_scale(m))]
+            for engine, run in runs:
+                row = self.attempt(f"scale/{engine}/{m.name}", run)
+                if row:
+                    self.results.scale.append(row.to_dict())
+                    self.say(f"  {m.name:10s} {engine:10s} {scale_line(row)}")
+
     def run(self) -> Results:
         suites = self.args.suites.split(",")
         unknown = set(suites) - set(SUITES)
@@ -236,7 +261,7 @@ class Bench:
             self.limits(backends)
         if "kernels" in suites:
             self.kernels(backends)
-        if {"e2e", "tau", "serve", "peer"} & set(suites):
+        if {"e2e", "tau", "serve", "peer", "scale"} & set(suites):
             models = self.models()
             if "e2e" in suites:
                 self.end_to_end(backends, models)
@@ -246,6 +271,8 @@ class Bench:
                 self.serve(backends, models)
             if "peer" in suites:
                 self.peer(models)
+            if "scale" in suites:
+                self.scale(backends, models)
         return self.results
 
 

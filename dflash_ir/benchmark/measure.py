@@ -1,10 +1,12 @@
 """Timing: the median of repeated calls after a warm-up, within a time budget per case, so a
-slow backend (PoCL on two cores) and a fast one (a GPU) both get a stable figure."""
+slow backend (PoCL on two cores) and a fast one (a GPU) both get a stable figure. And a
+process's peak memory."""
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 
@@ -36,3 +38,11 @@ def time_calls(run: Callable[[], object], *, budget_s: float = 1.0, min_calls: i
         samples.append(time.perf_counter() - t0)
         spent += samples[-1]
     return Timing(statistics.median(samples), len(samples))
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")

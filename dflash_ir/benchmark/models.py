@@ -1,7 +1,9 @@
 """The benchmark's model pairs: the shipped demo pair (real acceptance, tiny: host overhead
-shows) and a synthetic mid-size Qwen3.5-shaped pair (random Q8_0 weights, ~290M target
-parameters: weight reads dominate, as on real models). The synthetic pair is generated on
-first use into the cache (never committed) and reused."""
+shows), a synthetic mid-size Qwen3.5-shaped pair (random Q8_0 weights, ~290M target
+parameters: weight reads dominate, as on real models), and pairs at the real sizes of
+Qwen3.5-9B and Qwen3.6-35B-A3B with their DFlash drafts (random weights, Q8_0 as generated,
+Q4_K_M as llama.cpp's quantizer mixes it). Generated pairs are made on first use into the
+cache (never committed) and reused."""
 from __future__ import annotations
 
 import json
@@ -58,3 +60,39 @@ def synthetic_model(*, small: bool = False, progress: Callable[[str], None] = la
         (folder / "target.tmp").rename(target)
     size = target.stat().st_size / 1e6
     return BenchModel(name, target, draft, None, f"generated qwen35 shape, random Q8_0 weights, {size:.0f} MB target")
+
+
+# name -> (models.generator.REAL_TARGETS shape, target quantisation); drafts are Q8_0, as shipped
+REAL_MODELS = {"qwen35-9b": ("qwen35-9b", "Q8_0"), "qwen35-9b-q4_k_m": ("qwen35-9b", "Q4_K_M"),
+               "qwen36-35b-a3b-q4_k_m": ("qwen36-35b-a3b", "Q4_K_M")}
+
+
+def real_model(name: str, *, progress: Callable[[str], None] = lambda msg: None) -> BenchModel:
+    """A real-size pair (`REAL_MODELS`), generated into the cache on first use: the Q8_0 target
+    and draft by the generator (minutes, one tensor in memory at a time), another target type
+    by llama.cpp's quantizer from the Q8_0 one (llama-cpp-python needed)."""
+    from dflash_ir.models.generator import real_configs, write_draft, write_target
+
+    from .peer import peer_unavailable, quantize, usable_cpus
+
+    shape, preset = REAL_MODELS[name]
+    folder = cache_dir("bench") / shape
+    q8, draft = folder / "target-q8_0.gguf", folder / "dflash-q8_0.gguf"
+    tcfg, dcfg = real_configs(shape)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, write in ((draft, lambda p: write_draft(p, dcfg, target_cfg=tcfg, dtype="q8_0", seed=1)),
+                        (q8, lambda p: write_target(p, tcfg, dtype="q8_0", seed=0))):
+        if not path.is_file():
+            progress(f"generating {path} (random weights at {shape}'s shape, once)")
+            write(path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").rename(path)
+    target = folder / f"target-{preset.lower()}.gguf"
+    if not target.is_file():
+        if reason := peer_unavailable():
+            raise RuntimeError(f"{name}: making its {preset} target needs llama.cpp's quantizer: {reason}")
+        progress(f"quantizing {q8.name} to {preset} with llama.cpp's quantizer (once)")
+        quantize(q8, target.with_suffix(".tmp"), preset, threads=usable_cpus()).rename(target)
+    size = target.stat().st_size / 1e9
+    return BenchModel(name, target, draft, None,
+                      f"{shape} shape, random weights, {preset} target {size:.1f} GB, Q8_0 DFlash draft "
+                      f"{draft.stat().st_size / 1e9:.1f} GB")

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -25,6 +23,9 @@ from typing import Sequence
 import numpy as np
 
 from dflash_ir.backends.base import host_cpu_flags
+
+from .child import run_child
+from .measure import peak_rss
 
 INSTALL = "pip install llama-cpp-python (builds llama.cpp from source: ~10 min on 2 cores)"
 # llama.cpp built for this machine's x86-64 vector units without AMX (`make bench` uses it)
@@ -46,9 +47,16 @@ class PeerResult:
     decode_tps: float
     tokens: list[int]
     verify16_steps: float  # a 16-token batch (all rows' logits) over one decode step, medians
+    load_s: float          # llama_model_load + context, this process (page cache as it found it)
+    peak_rss: int          # the process's peak resident set (VmHWM), bytes: the mapped GGUF counts
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset / cgroup affinity), llama.cpp's thread count."""
+    return len(os.sched_getaffinity(0))
 
 
 def peer_unavailable() -> str | None:
@@ -77,32 +85,30 @@ def run_llama_cpp(model_name: str, gguf: Path, prompt_ids: Sequence[int], max_to
     return PeerResult(**_child(request, gguf))
 
 
+def run_llama_cpp_load(gguf: Path, *, n_ctx: int = 512) -> dict:
+    """llama.cpp loading `gguf` and nothing else, in a child process: {load_s, peak_rss}."""
+    return _child(dict(op="load", gguf=str(gguf), n_ctx=n_ctx), gguf)
+
+
 def _child(request: dict, gguf: Path) -> dict:
-    """Run one request (`op`: generate or quantize) in a child process; its JSON answer."""
-    try:
-        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request), capture_output=True,
-                              text=True, timeout=PEER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"llama.cpp on {gguf} took over {PEER_TIMEOUT_S} s; stopped") from None
-    if proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
-        raise PeerCrashed(f"llama.cpp died of {name} on {gguf}: its build uses instructions this machine refuses "
-                          f"(built for another CPU, or AMX tiles a sandboxed kernel does not grant); rebuild it "
-                          f"for this machine: {portable_build_command()}")
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama.cpp failed on {gguf}: {proc.stderr.strip()[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run one request (`op`: generate, load or quantize) in a child process; its JSON answer."""
+    def died(signal_name: str) -> Exception:
+        return PeerCrashed(f"llama.cpp died of {signal_name} on {gguf}: its build uses instructions this machine "
+                           f"refuses (built for another CPU, or AMX tiles a sandboxed kernel does not grant); rebuild "
+                           f"it for this machine: {portable_build_command()}")
+    return run_child(__name__, request, f"llama.cpp on {gguf}", PEER_TIMEOUT_S, died)
 
 
-def quantize(src: Path, dst: Path, preset: str) -> Path:
+def quantize(src: Path, dst: Path, preset: str, *, threads: int = 1) -> Path:
     """llama-quantize's `preset` (Q4_K_M, Q5_K_M, IQ4_XS, ...: its per-tensor type mix) of the
-    F32/F16 GGUF `src`, written to `dst` by llama.cpp's own llama_model_quantize, in a child
-    process (as generation: a build for another CPU dies of SIGILL)."""
-    _child(dict(op="quantize", src=str(src), dst=str(dst), preset=preset), Path(src))
+    GGUF `src`, written to `dst` by llama.cpp's own llama_model_quantize, in a child process
+    (as generation: a build for another CPU dies of SIGILL). A quantised `src` is requantised
+    (`--allow-requantize`): the type mix is the same, the values go through `src`'s rounding."""
+    _child(dict(op="quantize", src=str(src), dst=str(dst), preset=preset, threads=threads), Path(src))
     return Path(dst)
 
 
-def _quantize(src: str, dst: str, preset: str) -> dict:
+def _quantize(src: str, dst: str, preset: str, threads: int) -> dict:
     import ctypes
 
     import llama_cpp
@@ -112,19 +118,34 @@ def _quantize(src: str, dst: str, preset: str) -> dict:
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{preset}")
     except AttributeError:
         raise ValueError(f"llama.cpp has no quantisation preset {preset!r}") from None
-    params.nthread = 1
+    params.nthread = threads
+    params.allow_requantize = True
     if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama_model_quantize {src} -> {dst} ({preset}) failed")
     return {}
+
+
+def _llama(gguf: str, n_ctx: int, n_batch: int, threads: int):
+    """The model loaded with every row's logits kept (what a verify asks), and the seconds it took."""
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                          n_threads_batch=threads, logits_all=True, verbose=False)
+    return llm, time.perf_counter() - t0
+
+
+def _load(gguf: str, n_ctx: int) -> dict:
+    load_s = _llama(gguf, n_ctx, 32, usable_cpus())[1]
+    return {"load_s": load_s, "peak_rss": peak_rss()}
 
 
 def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens: int, n_ctx: int,
               threads: int | None) -> dict:
     import llama_cpp
 
-    threads = threads or os.cpu_count() or 1
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=max(len(prompt_ids), 32), n_threads=threads,
-                          n_threads_batch=threads, logits_all=True, verbose=False)
+    threads = threads or usable_cpus()
+    llm, load_s = _llama(gguf, n_ctx, max(len(prompt_ids), 32), threads)
     n_vocab = llm.n_vocab()
 
     def last_logits() -> np.ndarray:
@@ -160,7 +181,7 @@ def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens:
     tokens, prefill_s, decode_s = generate(max_tokens)
     return PeerResult("llama.cpp " + llama_cpp.__version__, model_name, threads, len(prompt_ids), len(tokens),
                       len(prompt_ids) / prefill_s, (len(tokens) - 1) / decode_s if decode_s else 0.0,
-                      tokens, verify_steps()).to_dict()
+                      tokens, verify_steps(), load_s, peak_rss()).to_dict()
 
 
 if __name__ == "__main__":  # `--build-command` prints the rebuild; otherwise one request on stdin
@@ -168,4 +189,4 @@ if __name__ == "__main__":  # `--build-command` prints the rebuild; otherwise on
         print(portable_build_command())
     else:
         request = json.loads(sys.stdin.read())
-        print(json.dumps({"generate": _generate, "quantize": _quantize}[request.pop("op")](**request)))
+        print(json.dumps({"generate": _generate, "load": _load, "quantize": _quantize}[request.pop("op")](**request)))

@@ -20,6 +20,7 @@ class Results:
     tau: list[dict[str, Any]] = field(default_factory=list)    # the scripted-draft sweep
     serve: list[dict[str, Any]] = field(default_factory=list)  # dflash-serve's scheduler, batched or not
     peer: list[dict[str, Any]] = field(default_factory=list)
+    scale: list[dict[str, Any]] = field(default_factory=list)  # compile, load, memory, speed per process
     failures: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -47,6 +48,19 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def scale_line(row) -> str:
+    """One scale figure set on a line (the CLI's and the table's words)."""
+    compiled = f"compile {row.compile_s:6.1f} s  " if row.compile_s is not None else ""
+    need = f" ({row.rss_over_need:.2f}x files + states)" if row.rss_over_need is not None else ""
+    return (f"{compiled}load cold {row.cold_load_s:6.1f} s warm {row.warm_load_s:6.1f} s  peak RSS "
+            f"{_gb(row.peak_rss_bytes)} GB{need}, files {_gb(row.file_bytes)} GB  prefill {row.prefill_tps:7.2f} "
+            f"tok/s  decode {row.decode_tps:6.2f} tok/s  verify-16 = {row.verify16_steps:.2f} decode steps")
 
 
 def markdown(r: Results) -> str:
@@ -103,6 +117,20 @@ def markdown(r: Results) -> str:
                        [[p["model"], p["backend"], p["clients"], "batched" if p["batched"] else "one by one",
                          p["tokens"], f"{p['tps']:.1f}", f"{p['verify_passes']} / {p['verified_blocks']}"]
                         for p in r.serve]), ""]
+    if r.scale:
+        out += ["## Scale: compile, load, memory and speed (each in a process of its own)", "",
+                "cold = the GGUFs dropped from the page cache first; warm = the next process, which also gives the "
+                "speed figures and the peak RSS (VmHWM: llama.cpp's counts its mapped GGUF). states = KV caches + "
+                "recurrent states as dflash-ir prints them before allocating.", "",
+                _table(["model", "engine", "files GB", "states GB", "compile s", "cold load s", "warm load s",
+                        "peak RSS GB", "RSS / (files + states)", "prefill tok/s", "decode tok/s",
+                        "verify-16 (decode steps)"],
+                       [[x["model"], x["engine"], _gb(x["file_bytes"]),
+                         _gb(x["state_bytes"]) if x["state_bytes"] is not None else "",
+                         f"{x['compile_s']:.1f}" if x["compile_s"] is not None else "", f"{x['cold_load_s']:.1f}",
+                         f"{x['warm_load_s']:.1f}", _gb(x["peak_rss_bytes"]),
+                         f"{x['rss_over_need']:.2f}" if x["rss_over_need"] is not None else "",
+                         f"{x['prefill_tps']:.2f}", f"{x['decode_tps']:.2f}", _steps(x)] for x in r.scale]), ""]
     if r.failures:
         out += ["## Failures", ""] + [f"- {f['where']}: {f['error']}" for f in r.failures] + [""]
     return "\n".join(out)

@@ -2,6 +2,7 @@
 the JSON, the markdown table and the plots with figures that hang together."""
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,3 +176,74 @@ def test_serve_suite_batches_the_verify_blocks_of_concurrent_requests(tmp_path):
         else:
             assert p["verify_passes"] < p["verified_blocks"]
     assert "## dflash-serve: concurrent requests" in (out / "results.md").read_text()
+
+
+def test_scale_suite_measures_compile_loads_memory_and_speed_in_processes_of_their_own(tmp_path):
+    out = tmp_path / "out"
+    backend = "opencl" if "opencl" in _cpu_backends() else "numpy"
+    assert cli.main(["--quick", "-b", backend, "--suites", "scale", "--models", "synthetic", "-o", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["failures"] == []
+    model = synthetic_model(small=True)
+    rows = {x["engine"].split()[0]: x for x in r["scale"]}
+    ours = rows[backend]
+    assert ours["file_bytes"] == model.target.stat().st_size + model.draft.stat().st_size
+    assert ours["compile_s"] > 0 and ours["cold_load_s"] > 0 and ours["warm_load_s"] > 0
+    assert ours["prefill_tps"] > 0 and ours["decode_tps"] > 0 and ours["verify16_steps"] > 0
+    assert ours["peak_rss_bytes"] > ours["file_bytes"]  # the weights were resident in that process
+    assert ours["rss_over_need"] == pytest.approx(ours["peak_rss_bytes"] / (ours["file_bytes"] + ours["state_bytes"]))
+    if peer_unavailable() is None:
+        theirs = rows["llama.cpp"]
+        assert theirs["compile_s"] is None and theirs["state_bytes"] is None
+        assert theirs["file_bytes"] == model.target.stat().st_size and theirs["peak_rss_bytes"] > theirs["file_bytes"]
+    assert "## Scale: compile, load, memory and speed" in (out / "results.md").read_text()
+
+
+def test_evict_drops_a_file_from_the_page_cache(tmp_path):
+    """What makes a load cold: checked with util-linux's fincore, which counts a file's resident pages."""
+    import shutil
+    import subprocess
+
+    from dflash_ir.benchmark.scale import evict
+
+    if shutil.which("fincore") is None:
+        pytest.skip("fincore (util-linux) is not installed")
+    f = tmp_path / "weights.bin"
+    f.write_bytes(np.random.default_rng(0).bytes(32 << 20))
+    f.read_bytes()
+
+    def resident() -> int:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(f)], capture_output=True,
+                             text=True, check=True).stdout
+        return int(out.split()[0])
+
+    assert resident() > 16 << 20
+    evict([f])
+    assert resident() < 1 << 20
+
+
+def test_peak_rss_counts_memory_the_process_touched():
+    from dflash_ir.benchmark.measure import peak_rss
+
+    Path("/proc/self/clear_refs").write_text("5")  # the peak restarts at the current resident set
+    before = peak_rss()
+    touched = np.ones(64 << 20, np.uint8)  # 64 MiB, every page written
+    assert peak_rss() >= before + touched.nbytes - (1 << 20)
+
+
+def test_llama_cpp_requantizes_a_q8_0_file_to_its_q4_k_m_mix(tmp_path):
+    """How the real-size Q4_K_M targets are made: from the generated Q8_0 file, not a 2x larger F16 one."""
+    from dflash_ir.benchmark.peer import quantize
+    from dflash_ir.models.gguf_file import open_gguf
+
+    reason = peer_unavailable()
+    if reason:
+        pytest.skip(reason)
+    model = synthetic_model(small=True)
+    try:
+        made = quantize(model.target, tmp_path / "q4_k_m.gguf", "Q4_K_M")
+    except PeerCrashed as e:
+        pytest.skip(str(e))
+    with open_gguf(made) as f:
+        types = {t.dtype for t in f.tensors.values()}
+    assert {DType.Q4_K, DType.Q6_K} <= types

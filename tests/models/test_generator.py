@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 from dflash_ir.models.config import DraftConfig, TargetConfig
 from dflash_ir.models.tensors import converter_keeps_f32, validate_tensors
+from dflash_ir.models import generator
 from dflash_ir.models.generator import (
     TINY_MASK_ID,
     TINY_MIN_VOCAB,
     TINY_SPECIAL_IDS,
     draft_plan,
+    real_configs,
     target_plan,
     tiny_draft_config,
     tiny_target_config,
@@ -277,3 +279,78 @@ def test_planned_values_are_made_once_and_keep_edits():
     np.testing.assert_array_equal(first, t.values_to_write())  # made again from the same state: equal
     t.values[:] = 2.0
     np.testing.assert_array_equal(t.values_to_write(), np.full(t.shape, 2.0, np.float32))
+
+
+@pytest.mark.parametrize("name, params, recurrent, shapes", [
+    # QWEN35.md 1.1 / 10 (ggml ne reversed) and DFLASH.md 2.4: 8.95B parameters, 24 of 32 layers
+    # Gated DeltaNet (full attention at 3, 7, ..., 31), an untied 248320 x 4096 LM head
+    ("qwen35-9b", 8.95e9, [i % 4 != 3 for i in range(32)],
+     {"output.weight": (248320, 4096), "blk.0.attn_qkv.weight": (8192, 4096), "blk.0.ssm_alpha.weight": (32, 4096),
+      "blk.3.attn_q.weight": (8192, 4096), "blk.3.attn_k.weight": (1024, 4096), "blk.0.ffn_down.weight": (4096, 12288)}),
+    # QWEN35.md 1.2: 40 layers, 10 x (3 Gated DeltaNet + 1 attention), 256 experts of 512, hidden 2048
+    ("qwen36-35b-a3b", 34.66e9, [i % 4 != 3 for i in range(40)],
+     {"blk.0.ffn_gate_exps.weight": (256, 512, 2048), "blk.0.ffn_down_exps.weight": (256, 2048, 512),
+      "blk.0.ffn_gate_inp.weight": (256, 2048), "blk.3.attn_k.weight": (512, 2048)}),
+])
+def test_real_shapes_are_the_model_cards(name, params, recurrent, shapes):
+    from dflash_ir.models.tensors import expected_tensors
+
+    target, draft = real_configs(name)
+    tensors = expected_tensors(target)
+    assert sum(np.prod(s, dtype=np.float64) for s in tensors.values()) == pytest.approx(params, rel=2e-3)
+    assert list(target.layer_is_recurrent) == recurrent and not target.tied_output
+    assert {k: tensors[k] for k in shapes} == shapes
+    taps = {"qwen35-9b": [1, 8, 15, 22, 29], "qwen36-35b-a3b": [1, 10, 19, 28, 37]}[name]
+    assert [t - 1 for t in draft.target_layers] == taps and draft.block_size == 16  # GGUF stores HF ids + 1
+    assert draft.fc_in == len(taps) * target.hidden and draft.hidden == target.hidden
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16, DType.Q8_0])
+def test_rounding_in_chunks_of_rows_equals_rounding_at_once(monkeypatch, dtype):
+    from dflash_ir.quant import quantize
+
+    monkeypatch.setattr(generator, "QUANTIZE_CHUNK", 5000)  # 52 rows of 96 a chunk: 1000 rows end mid-chunk
+    x = np.random.default_rng(0).standard_normal((3, 1000, 96), dtype=np.float32)
+    x[0, 0, :32] = 0  # a zero block
+    chunked, whole = generator._stored(x, dtype), quantize(x, dtype)
+    assert chunked.dtype == whole.dtype and chunked.shape == whole.shape
+    assert chunked.tobytes() == whole.tobytes()
+
+
+_BIG_TENSOR_CHILD = r"""
+import sys
+from pathlib import Path
+from dflash_ir.models import generator
+from dflash_ir.models.generator import GGUFPlan, PlannedTensor, write_gguf
+from dflash_ir.dtypes import DType
+
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) << 10
+
+generator.QUANTIZE_CHUNK = 1 << 20
+shape = (32768, 1024)
+plan = GGUFPlan({"general.architecture": "llama"},
+                {"token_embd.weight": PlannedTensor(None, DType.Q8_0, shape=shape,
+                                                    make=lambda: generator._init(
+                                                        generator.np.random.default_rng(0), "token_embd.weight", shape))})
+Path("/proc/self/clear_refs").write_text("5")
+before = status("VmRSS")
+write_gguf(Path(sys.argv[1]) / "big.gguf", plan)
+print(status("VmHWM") - before)
+"""
+
+
+def test_a_large_tensor_is_made_and_rounded_without_copies(tmp_path):
+    """A 248k x 4096 embedding is 4 GB of values: making it scales them in place and writing it
+    rounds a chunk of rows at a time, so the process grows by the values plus their storage
+    (here 128 + 34 MiB), not by several copies of the values (scaling a copy: +128 MiB;
+    rounding at once: ~+400 MiB of temporaries)."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _BIG_TENSOR_CHILD, str(tmp_path)], capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr
+    values, storage = 32768 * 1024 * 4, 32768 * 1024 // 32 * 34
+    grew = int(child.stdout.split()[-1])
+    assert grew < values + storage + (64 << 20), f"writing grew {grew >> 20} MiB"

@@ -1,0 +1,147 @@
+"""Real-size models: what compiling, loading and running one costs on this machine, ours and
+llama.cpp's side by side on the same GGUF: compile seconds, cold and warm load seconds, peak
+RSS against the files read plus the state memory the tool prints before allocating it,
+prefill and decode tokens/s, and a 16-row verify in decode steps.
+
+Every measurement is a child process of its own, so its peak RSS (VmHWM) is one user
+process's, and phases do not share warm allocators or caches. "Cold" loads with the GGUFs
+dropped from the page cache first (posix_fadvise DONTNEED: the first run after the files
+were copied in, or after a reboot); "warm" is the next process, files cached; the speed
+figures come from the warm process. Our loads leave out the one-off round-cost measurement
+(runtime/costs.py), which is cached per artifact."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .child import run_child
+from .measure import peak_rss
+from .models import BenchModel
+
+SCALE_CTX = 4096          # a context users run: the KV caches are part of the memory compared
+PROMPT_TOKENS = 64
+CHILD_TIMEOUT_S = 3600    # a 35B-A3B compile or load on 2 cores takes minutes, not hours
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    engine: str                 # our backend, or "llama.cpp <version>"
+    model: str
+    file_bytes: int             # the GGUFs the engine reads (ours: target + draft; llama.cpp: target)
+    state_bytes: int | None     # KV caches + recurrent states as our tool prints them (None: llama.cpp)
+    compile_s: float | None     # None: llama.cpp has no compile step
+    cold_load_s: float
+    warm_load_s: float
+    peak_rss_bytes: int         # the warm process's: load, prefill, decode and verify
+    prefill_tps: float
+    decode_tps: float
+    generated_tokens: int
+    verify16_steps: float
+
+    @property
+    def rss_over_need(self) -> float | None:
+        """Peak RSS over the weights' files plus the printed states (the issue's 10% bound)."""
+        return self.peak_rss_bytes / (self.file_bytes + self.state_bytes) if self.state_bytes is not None else None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rss_over_need": self.rss_over_need}
+
+
+def evict(paths: Sequence[Path]) -> None:
+    """Drop `paths`' pages from the page cache (clean pages no process maps: ours are)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_scale(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: int = 8) -> ScaleResult:
+    """Compile `model` for `backend` (timed, once per work folder), then a cold load and a warm
+    load + run, each in a child process."""
+    out = Path(work_dir) / f"{model.name}-{backend}-{SCALE_CTX}"
+    files = [model.target, model.draft]
+    compiled = None
+    if not (out / "manifest.yaml").is_file():
+        compiled = _child(dict(op="compile", target=str(model.target), draft=str(model.draft), out=str(out),
+                               backend=backend), f"compiling {model.name} for {backend}")
+    evict(files)
+    cold = _child(dict(op="load", artifact=str(out)), f"loading {out} cold")
+    warm = _child(dict(op="run", artifact=str(out), max_tokens=max_tokens), f"running {out}")
+    return ScaleResult(backend, model.name, sum(p.stat().st_size for p in files), warm["state_bytes"],
+                       compiled["seconds"] if compiled else None, cold["load_s"], warm["load_s"], warm["peak_rss"],
+                       warm["prefill_tps"], warm["decode_tps"], warm["generated_tokens"], warm["verify16_steps"])
+
+
+def run_llama_cpp_scale(model: BenchModel, *, max_tokens: int = 8) -> ScaleResult:
+    """llama.cpp on the target alone: a cold load, then a warm load + run (its child process)."""
+    from .peer import run_llama_cpp, run_llama_cpp_load
+
+    evict([model.target])
+    cold = run_llama_cpp_load(model.target, n_ctx=SCALE_CTX)
+    warm = run_llama_cpp(model.name, model.target, _prompt_ids(), max_tokens, n_ctx=SCALE_CTX)
+    return ScaleResult(warm.engine, model.name, model.target.stat().st_size, None, None, cold["load_s"],
+                       warm.load_s, warm.peak_rss, warm.prefill_tps, warm.decode_tps, warm.generated_tokens,
+                       warm.verify16_steps)
+
+
+def _prompt_ids() -> list[int]:
+    from .e2e import RANDOM_IDS_BELOW
+
+    import numpy as np
+
+    return np.random.default_rng(0).integers(16, RANDOM_IDS_BELOW, PROMPT_TOKENS).tolist()
+
+
+def _child(request: dict, what: str) -> dict:
+    return run_child(__name__, request, what, CHILD_TIMEOUT_S)
+
+
+# -- the child's side -----------------------------------------------------------------------
+
+
+def _compile(target: str, draft: str, out: str, backend: str) -> dict:
+    from dflash_ir.artifact import compile_pair
+
+    t0 = time.perf_counter()
+    compile_pair(target, draft, out=out, backend=backend, n_ctx=SCALE_CTX)
+    return {"seconds": time.perf_counter() - t0, "peak_rss": peak_rss()}
+
+
+def _load(artifact: str):
+    from dflash_ir.artifact import load_compiled
+
+    t0 = time.perf_counter()
+    engine = load_compiled(artifact, load_tokenizer=False, measure_costs=False)
+    return engine, time.perf_counter() - t0
+
+
+def _load_only(artifact: str) -> dict:
+    return {"load_s": _load(artifact)[1], "peak_rss": peak_rss()}
+
+
+def _run(artifact: str, max_tokens: int) -> dict:
+    from .e2e import after_first_tps, verify_cost_in_decode_steps
+
+    engine, load_s = _load(artifact)
+    ids = _prompt_ids()
+    engine.generate(prompt_ids=ids, max_tokens=2, speculative=False, ignore_eos=True)  # first launches at these sizes
+    plain = engine.generate(prompt_ids=ids, max_tokens=max_tokens, speculative=False, ignore_eos=True)
+    steps = verify_cost_in_decode_steps(engine.target, ids, repeats=3)
+    need = engine.info["memory_need"]
+    return {"load_s": load_s, "peak_rss": peak_rss(), "state_bytes": need.states, "need": dataclasses.asdict(need),
+            "prefill_tps": plain.stats.prefill_tps, "decode_tps": after_first_tps(plain),
+            "generated_tokens": len(plain.tokens), "verify16_steps": steps}
+
+
+if __name__ == "__main__":  # one request on stdin, its JSON answer on the last line of stdout
+    request = json.loads(sys.stdin.read())
+    print(json.dumps({"compile": _compile, "load": _load_only, "run": _run}[request.pop("op")](**request)))

@@ -14,7 +14,8 @@ weight vectors) and writes silu(gate) * up directly. Two rules, to a fixpoint:
   fused_matmul, read by nothing else, becomes that product with epilogue "swiglu".
 Products of every stored weight type fuse (Q8_0, F16 and the block types of a Q4_K_M file):
 the GPU GEMV reads any of them; where a schedule has no fused kernel for a type (the CPU
-tiles are Q8_0 only) lowering runs the parts (backends/kernels/fused.py).
+tiles take Q8_0 and the block types without a codebook, not F16 or IQ4_NL / IQ4_XS / MXFP4)
+lowering runs the parts (backends/kernels/fused.py).
 The fused op's reference is the composition of the ops it replaced, so outputs are
 bit-identical (tests/passes/test_fuse_matmul.py).
 """

@@ -6,7 +6,10 @@ Grouped, they are one kernel over all their weight rows side by side, so a decod
 launches ~60 kernels fewer on a 16-layer model, and the narrow products stop being
 launches of their own. Members must be weights of one storage type with the same K, form
 and layout, and no fused residual; the outputs are exactly the members' (the group's
-reference runs them one by one).
+reference runs them one by one). A group lists its weights in name order, whatever order
+the graph built them in: a prefill and a verify that group the same weights share one
+packed copy at load (built in two orders, a 9B target's Gated DeltaNet projections were
+packed twice: 1.2 GB).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ def _group(m, emit):
     members = _members(emit, mm)
     if len(members) < 2 or members[0] != mm:  # the first member in schedule order builds the group
         return None
+    members.sort(key=lambda n: n.inputs[1])
     outs = emit.op("matmul_group", m["x"], *(emit.value(n.inputs[1]) for n in members), op=mm.op,
                    Ns=tuple(n.attr["N"] for n in members), **{a: mm.attr.get(a) for a in _SHARED})
     return {n.outputs[0]: out for n, out in zip(members, outs)}

@@ -45,7 +45,7 @@ def test_group_outputs_equal_the_members_bit_for_bit():
     g = _projections()
     out = group_matmuls(g)
     assert [n.op for n in out.nodes] == ["matmul_group"]
-    assert out.nodes[0].attr["Ns"] == (8, 4, 4)
+    assert out.nodes[0].attr["Ns"] == (4, 8, 4)  # wk, wq, wv: name order
     rng = np.random.default_rng(0)
     weights = {n: quantize(rng.standard_normal((rows, 32)).astype(np.float32), DType.Q8_0)
                for n, rows in (("wq", 8), ("wk", 4), ("wv", 4))}
@@ -58,7 +58,21 @@ def test_group_outputs_equal_the_members_bit_for_bit():
 def test_a_member_with_a_residual_stays_alone():
     out = group_matmuls(_projections(residual=True))
     assert sorted(n.op for n in out.nodes) == ["matmul_group", "matmul_q8_0"]
-    assert next(n for n in out.nodes if n.op == "matmul_group").attr["Ns"] == (8, 4)
+    assert next(n for n in out.nodes if n.op == "matmul_group").attr["Ns"] == (4, 8)
+
+
+def test_a_group_lists_its_weights_in_one_order_whatever_the_graph_built(tiny_models):
+    """A prefill builds a Gated DeltaNet layer's beta before its alpha, a verify after: both
+    group the four projections in name order, so the runner packs them once for both."""
+    def groups(g):
+        return {tuple(g.values()[w].name for w in n.inputs[1:]) for n in g.nodes
+                if n.op in ("matmul_group", "fused_matmul")}
+    pair = tiny_models("qwen35", "q8_0")
+    prefill, verify = (groups(run_pipeline(pair.graphs[name], level=2)) for name in ("target.prefill", "target.verify"))
+    recurrent = [ws for ws in verify if any("ssm_alpha" in w for w in ws)]
+    assert recurrent and set(recurrent) <= prefill
+    products = [[w for w in ws if not w.endswith("norm.weight")] for ws in prefill | verify]  # not a folded norm
+    assert all(ws == sorted(ws) for ws in products)
 
 
 def test_a_single_projection_is_left_alone(tiny_models):

@@ -86,7 +86,7 @@ def run_llama_cpp(model_name: str, gguf: Path, prompt_ids: Sequence[int], max_to
 
 
 def run_llama_cpp_load(gguf: Path, *, n_ctx: int = 512) -> dict:
-    """llama.cpp loading `gguf` and nothing else, in a child process: {load_s, peak_rss}."""
+    """llama.cpp loading `gguf` and nothing else, in a child process: {load_s}."""
     return _child(dict(op="load", gguf=str(gguf), n_ctx=n_ctx), gguf)
 
 
@@ -137,7 +137,7 @@ def _llama(gguf: str, n_ctx: int, n_batch: int, threads: int):
 
 def _load(gguf: str, n_ctx: int) -> dict:
     load_s = _llama(gguf, n_ctx, 32, usable_cpus())[1]
-    return {"load_s": load_s, "peak_rss": peak_rss()}
+    return {"load_s": load_s}
 
 
 def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens: int, n_ctx: int,

@@ -11,7 +11,6 @@ figures come from the warm process. Our loads leave out the one-off round-cost m
 (runtime/costs.py), which is cached per artifact."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -113,7 +112,7 @@ def _compile(target: str, draft: str, out: str, backend: str) -> dict:
 
     t0 = time.perf_counter()
     compile_pair(target, draft, out=out, backend=backend, n_ctx=SCALE_CTX)
-    return {"seconds": time.perf_counter() - t0, "peak_rss": peak_rss()}
+    return {"seconds": time.perf_counter() - t0}
 
 
 def _load(artifact: str):
@@ -125,7 +124,7 @@ def _load(artifact: str):
 
 
 def _load_only(artifact: str) -> dict:
-    return {"load_s": _load(artifact)[1], "peak_rss": peak_rss()}
+    return {"load_s": _load(artifact)[1]}
 
 
 def _run(artifact: str, max_tokens: int) -> dict:
@@ -137,7 +136,7 @@ def _run(artifact: str, max_tokens: int) -> dict:
     plain = engine.generate(prompt_ids=ids, max_tokens=max_tokens, speculative=False, ignore_eos=True)
     steps = verify_cost_in_decode_steps(engine.target, ids, repeats=3)
     need = engine.info["memory_need"]
-    return {"load_s": load_s, "peak_rss": peak_rss(), "state_bytes": need.states, "need": dataclasses.asdict(need),
+    return {"load_s": load_s, "peak_rss": peak_rss(), "state_bytes": need.states,
             "prefill_tps": plain.stats.prefill_tps, "decode_tps": after_first_tps(plain),
             "generated_tokens": len(plain.tokens), "verify16_steps": steps}
 

@@ -20,7 +20,9 @@ that vectorise one work-item's loop). Builders whose best schedule differs read
 `ctx.profile`; the kernels of either profile are correct on any device. `row_streams` is
 4 for PoCL and 1 for lavapipe, whose shader compiler takes seconds per kernel on wide
 unrolled loops: the CPU attention kernels (kernels/attention.py) take their wide schedule
-only above 1.
+only above 1. For the same reason `block_span`, the elements of a quant block that a
+one-row CPU tile unrolls with constant positions (kernels/linalg.py), is BLOCK_SPAN for PoCL
+and 0 (a loop) for lavapipe, which scalarises the 16-lane vectors (minutes per kernel).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from typing import Callable, Sequence
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph, Node, Value
+
+BLOCK_SPAN = 128  # the K-quant layouts' bit fields repeat every 128 elements (Q5_K's every 256)
 from dflash_ir.ops.registry import get_op
 from dflash_ir.passes.plan_memory import Liveness, size_class
 from dflash_ir.types import TensorType
@@ -86,6 +90,7 @@ class NodeCtxBase:
         self.isa = lowering.isa
         self.kind = lowering.graph.meta_dict.get("kind")  # the graph's: verify, block, decode, prefill ...
         self.row_streams = lowering.row_streams
+        self.block_span = lowering.block_span
         self.ins: list[Value] = [lowering.values[x] for x in node.inputs]
         self.outs: list[Value] = list(node.outputs)
         self.launches: list[Launch] = []
@@ -196,7 +201,7 @@ class Lowering:
     are collected in plan.kernels (compile time only)."""
 
     def __init__(self, graph: Graph, profile: str, ctx_class: type[NodeCtxBase], row_streams: int = 4,
-                 isa: frozenset[str] = frozenset()):
+                 isa: frozenset[str] = frozenset(), block_span: int = BLOCK_SPAN):
         if profile not in PROFILES:
             raise ValueError(f"unknown device profile {profile!r}; known: {', '.join(PROFILES)}")
         unknown = set(isa) - set(ISA_EXTENSIONS)
@@ -207,6 +212,7 @@ class Lowering:
         self.profile = profile
         self.isa = frozenset(isa)
         self.row_streams = row_streams
+        self.block_span = block_span
         self.ctx_class = ctx_class
         self.values = graph.values()
         self.plan = Plan(graph.name)
@@ -243,8 +249,9 @@ class Lowering:
         return self.plan
 
 
-def lower(graph: Graph, profile: str = "gpu", row_streams: int = 4, isa: frozenset[str] = frozenset()) -> Plan:
+def lower(graph: Graph, profile: str = "gpu", row_streams: int = 4, isa: frozenset[str] = frozenset(),
+          block_span: int = BLOCK_SPAN) -> Plan:
     """The launch plan of `graph` for a device class and the instruction set extensions its
     kernels may use (ISA_EXTENSIONS; raises LoweringError naming the first node without a
     kernel)."""
-    return Lowering(graph, profile, NodeCtx, row_streams, isa).run()
+    return Lowering(graph, profile, NodeCtx, row_streams, isa, block_span).run()

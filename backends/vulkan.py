@@ -144,7 +144,7 @@ class VulkanBackend(Backend):
         from .spirv import compile_spirv
 
         profile = self.profile()
-        plan = lower(graph, profile, row_streams=1)
+        plan = lower(graph, profile, row_streams=1, block_span=0)
         variants = _variants()
         todo = []
         for variant, features in variants.items():

@@ -550,28 +550,46 @@ def _block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]
     """tile_sums over a block type's pack: per block and sub-block, each group's 16 scales and
     offsets decoded once as vectors (the block decoder run lane-wise, access.Cols16Loads), then
     per input index its 16 codes, value = scale * code + offset in ggml's order, and one FMA
-    per row and group, as for Q8_0."""
+    per row and group, as for Q8_0. A one-row tile (a decode, where the decoding is the cost)
+    unrolls the lowering's block_span elements here with constant positions, so their byte
+    offsets and shifts fold to constants (kir/simplify.py's bit rules) and elements sharing a
+    byte share its load; more rows amortise the decoding over the rows, and keep a loop (a
+    quarter of the device compile time). Either way the same FMAs in the same order."""
     fmt = DECODERS[dtype]
     size, words = dtype.block_size, dtype.block_bytes // 2
+    unrolled = R == 1 and kb.ctx.block_span > 0
+    span = min(size, max(kb.ctx.block_span, fmt.sub)) if unrolled else fmt.sub
     G = len(groups)
+
+    def element(blocks: list[Cols16Loads], scale: list[K], offset: list[K] | None, i: K, pos: K, e: K | int,
+                name: str) -> None:
+        """Input index pos + e (element i of the block) of every row and group."""
+        if norm_at:
+            nw = kb.let(f"nw{name}", norm_at(pos + e))
+        wv = []
+        for j, blk in enumerate(blocks):
+            value = scale[j] * fmt.code(blk, i)
+            value = value + offset[j] if offset else value
+            wv.append(kb.let(f"w{j}{name}", value * nw if norm_at else value))
+        for r in range(R):
+            xv = kb.let(f"x{r}{name}", x_at(r, pos + e))
+            for j in range(G):
+                kb.set(acc[r, j], call("fma", wv[j], xv, acc[r, j]))
+
     with kb.loop("b", 0, nb) as b:
         blocks = [Cols16Loads(w, kb.let(f"at{j}", base / 2 + b * (words * COLS))) for j, (w, base) in enumerate(groups)]
-        with kb.loop("s", 0, size // fmt.sub) as s:
-            scale = [kb.let(f"sc{j}", fmt.scale(blk, s)) for j, blk in enumerate(blocks)]
-            offset = [kb.let(f"of{j}", fmt.offset(blk, s)) for j, blk in enumerate(blocks)] if fmt.offset else None
-            with kb.loop("e", 0, fmt.sub, unroll=UNROLL) as e:
-                i = kb.let("i", s * fmt.sub + e)
-                if norm_at:
-                    nw = kb.let("nw", norm_at(b * size + i))
-                wv = []
-                for j, blk in enumerate(blocks):
-                    value = scale[j] * fmt.code(blk, i)
-                    value = value + offset[j] if offset else value
-                    wv.append(kb.let(f"w{j}", value * nw if norm_at else value))
-                for r in range(R):
-                    xv = kb.let(f"x{r}", x_at(r, b * size + i))
-                    for j in range(G):
-                        kb.set(acc[r, j], call("fma", wv[j], xv, acc[r, j]))
+        with kb.loop("c", 0, size // span) as c:
+            pos = kb.let("pos", b * size + (c << (span.bit_length() - 1)))
+            for p in range(span // fmt.sub):
+                sub = (c << (span // fmt.sub).bit_length() - 1) | p
+                scale = [kb.let(f"sc{j}_{p}", fmt.scale(blk, sub)) for j, blk in enumerate(blocks)]
+                offset = [kb.let(f"of{j}_{p}", fmt.offset(blk, sub)) for j, blk in enumerate(blocks)] if fmt.offset else None
+                if unrolled:  # i as bits, for the simplifier to split into c's part and e
+                    for e in range(p * fmt.sub, (p + 1) * fmt.sub):
+                        element(blocks, scale, offset, (c << (span.bit_length() - 1)) | e, pos, e, f"_{e}")
+                else:
+                    with kb.loop("e", 0, fmt.sub, unroll=UNROLL) as e:
+                        element(blocks, scale, offset, kb.let("i", c * span + e), pos, e, "")
 
 
 def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[list[K], list[K]]:

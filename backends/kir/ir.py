@@ -47,6 +47,7 @@ buffers (a u16 or f16 at an even byte of a Q8_0 block).
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -150,19 +151,30 @@ class K:
 
     def __eq__(self, other) -> bool:  # structural identity of trees; a kernel comparison is .eq()
         return self is other or (isinstance(other, K) and hash(self) == hash(other) and
-                                 (self.op, self.dtype, self.arg, self.src) == (other.op, other.dtype, other.arg,
-                                                                                other.src))
+                                 (self.op, self.dtype, self._arg, self.src) == (other.op, other.dtype, other._arg,
+                                                                                 other.src))
 
     def __hash__(self) -> int:
         return self._hash
 
     @functools.cached_property
     def _hash(self) -> int:  # trees are hashed often (rewrites, dedup): once per node
-        return hash((self.op, self.dtype, self.arg, self.src))
+        return hash((self.op, self.dtype, self._arg, self.src))
+
+    @functools.cached_property
+    def _arg(self):
+        """The arg as compared: floats by their bits, so -0.0 is not 0.0 and a NaN equals itself."""
+        return _bits(self.arg)
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(s) for s in self.src)
         return f"{self.op}<{self.dtype}>({self.arg!r}{'; ' + inner if inner else ''})"
+
+
+def _bits(arg):
+    if isinstance(arg, float):
+        return struct.pack("<d", arg)
+    return tuple(_bits(a) for a in arg) if isinstance(arg, tuple) else arg
 
 
 def walk(node: K) -> Iterator[K]:

@@ -3,7 +3,10 @@ pattern language (dflash_ir/rewrite.py) and matched by its matcher over a tree v
 
 Builders write sizes generically (`row * K + c` with K a constant or a symbol size), so
 constant folding and the integer identities below make the printed kernels read like
-hand-written ones. Float identities are only those exact in IEEE arithmetic (x * 1,
+hand-written ones. The bit-field rules know an index's low zero bits (`i = s << 5 | e` has
+none set below bit 5 but e's): a block decoder's byte offsets and shifts, built from such an
+index with e a constant, fold to the loop variable's part plus constants, so the device
+compiler sees the same load for elements that share a byte. Float identities are only those exact in IEEE arithmetic (x * 1,
 x / 1, x + 0 is not: -0 + 0 = +0), so simplification never changes a result.
 """
 from __future__ import annotations
@@ -126,20 +129,78 @@ def _select_const(m, emit=None):
     return a if cond.arg else b
 
 
+_SIGNED = ("i16", "i32", "i64")  # bit rules assume no wrap-around: signed overflow is undefined in C
+
+
+def _low_zeros(node: K) -> int:
+    """How many low bits of `node` are known to be zero."""
+    op, src = node.op, node.src
+    if op == "const":
+        v = int(node.arg)
+        return 64 if v == 0 else (v & -v).bit_length() - 1
+    if op in ("shl", "shr") and src[1].op == "const":
+        return max(_low_zeros(src[0]) + (src[1].arg if op == "shl" else -src[1].arg), 0)
+    if op == "mul":
+        return _low_zeros(src[0]) + _low_zeros(src[1])
+    if op in ("add", "sub", "or", "xor"):
+        return min(_low_zeros(src[0]), _low_zeros(src[1]))
+    if op == "and":
+        return max(_low_zeros(src[0]), _low_zeros(src[1]))
+    if op == "cast" and node.dtype.is_int and src[0].dtype.is_int:
+        return _low_zeros(src[0])
+    return 0
+
+
+def _signed(node: K) -> bool:
+    return node.dtype.scalar in _SIGNED
+
+
+def _shift_of_sum(m, emit=None):
+    """(a | c) >> k as (a >> k) | (c >> k) (bitwise, always), and (a + c) >> k as (a >> k) +
+    (c >> k) where a is a multiple of 2^k (exact unless a + c overflows), c a constant."""
+    node, (inner, k) = m.value, m.value.src
+    a, c = inner.src if inner.src[1].op == "const" else inner.src[::-1]
+    if not _signed(node) or c.op != "const" or not isinstance(k.arg, int) or \
+            (inner.op == "add" and _low_zeros(a) < k.arg):
+        return None
+    return K(inner.op, node.dtype, (K("shr", node.dtype, (a, k)), K("shr", node.dtype, (c, k))))
+
+
+def _mask_of_sum(m, emit=None):
+    """x & (2^c - 1) with x's low c bits zero is 0; (a + b) & (2^c - 1) and (a | b) & (2^c -
+    1) with a's low c bits zero are b & (2^c - 1), taken where b is a constant (so the mask
+    folds: a term left in would stop the device compiler sharing the sum with its other uses)."""
+    node, (x, mask) = m.value, m.value.src
+    if not _signed(node) or mask.arg < 0 or mask.arg & (mask.arg + 1):
+        return None
+    bits = mask.arg.bit_length()
+    if _low_zeros(x) >= bits:
+        return _const(0, node)
+    if x.op in ("add", "or"):
+        for a, b in (x.src, x.src[::-1]):
+            if b.op == "const" and _low_zeros(a) >= bits:
+                return K("and", node.dtype, (b, mask))
+    return None
+
+
 _CONST = P("const")
+_INT_CONST = P("const", attrs={"arg": lambda v: isinstance(v, int) and not isinstance(v, bool)})
 RULES = [
     Rule("fold", P(tuple(_INT_OPS) + tuple(_CMP), _CONST, _CONST), _fold),
     Rule("cast_const", P("cast", _CONST), _cast_const),
-    Rule("add_zero", P("add", V("x"), _c(0), commutative=True), _keep("x", need_int=True)),
-    Rule("sub_zero", P("sub", V("x"), _c(0)), _keep("x", need_int=True)),
+    Rule("add_zero", P(("add", "or", "xor"), V("x"), _c(0), commutative=True), _keep("x", need_int=True)),
+    Rule("sub_zero", P(("sub", "shl", "shr"), V("x"), _c(0)), _keep("x", need_int=True)),
     Rule("mul_one", P("mul", V("x"), _c(1), commutative=True), _keep("x")),
-    Rule("mul_zero", P("mul", V("x"), _c(0), commutative=True), _zero),
+    Rule("mul_zero", P(("mul", "and"), V("x"), _c(0), commutative=True), _zero),
     Rule("div_one", P("div", V("x"), _c(1)), _keep("x")),
     Rule("mod_one", P("mod", V("x"), _c(1)), _zero),
     Rule("min_same", P(("min", "max"), V("x"), V("x")), _keep("x", need_int=True)),
-    Rule("reassociate", P(("add", "mul"), P(("add", "mul"), V("x"), P("const", name="c1"), name="inner"),
-                          P("const", name="c2")), _reassociate),
+    Rule("reassociate", P(("add", "mul"), P(("add", "mul"), V("x"), P("const", name="c1"), name="inner",
+                                            commutative=True), P("const", name="c2"), commutative=True),
+         _reassociate),
     Rule("select_const", P("select", P("const", dtype=BOOL), V(), V()), _select_const),
+    Rule("shift_of_sum", P("shr", P(("add", "or")), _INT_CONST), _shift_of_sum),
+    Rule("mask_of_sum", P("and", V(), _INT_CONST), _mask_of_sum),
 ]
 _BY_OP: dict[str, list[Rule]] = {}
 for _rule in RULES:
@@ -171,6 +232,20 @@ def _rewrite_node(node: K) -> K | None:
     return out if changed else None
 
 
-def simplify(tree: K) -> K:
-    return transform(tree, _rewrite_node)
+_SIMPLER: dict[K, K] = {}  # node -> its simplest form, shared by every kernel built in the process
+_SIMPLER_LIMIT = 1 << 20
 
+
+def simplify(tree: K) -> K:
+    """Equal subtrees (an unrolled loop's repeated index arithmetic, the same decoder in the
+    kernels of each row bucket) are simplified once and come out as one shared node."""
+    if len(_SIMPLER) > _SIMPLER_LIMIT:
+        _SIMPLER.clear()
+
+    def once(node: K) -> K:
+        if node not in _SIMPLER:
+            simpler = _rewrite_node(node)
+            _SIMPLER[node] = node if simpler is None else simpler
+        return _SIMPLER[node]
+
+    return transform(tree, once)

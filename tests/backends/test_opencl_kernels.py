@@ -46,6 +46,27 @@ def test_cpu_profile_schedules_block_type_matmuls_as_register_tiles(monkeypatch,
         lower(graph, "tpu")
 
 
+def test_one_row_block_tiles_read_each_word_of_a_block_once_per_step():
+    """A decode's tile unrolls a block's elements with constant positions (lowering.BLOCK_SPAN)
+    so that elements sharing a u16 word of the pack share one load: after simplification each
+    group (the block at `at<j>`) of the one-row Q4_K tile is read by at most its 72 words'
+    loads, where an index left per element gives one load per element (142 per group)."""
+    from dflash_ir.backends.kir.ir import walk
+    from dflash_ir.backends.lowering import BLOCK_SPAN, lower
+
+    plan = lower(CASES["fused_matmul_norm_group_q4_k_1_rows"].build().b.build(), "cpu")
+    one_row = [k for k in plan.kernels.values() if k.op == "matmul_tiles" and
+               not any(n.op == "var" and n.arg.startswith("acc1_") for n in walk(k.body))]
+    assert BLOCK_SPAN == 128 and len(one_row) == 1
+    per_group: dict[str, set] = {}
+    for node in walk(one_row[0].body):
+        if node.op == "load" and node.arg[0] == "w" and node.dtype.lanes == 16:
+            group = {n.arg for n in walk(node.src[0]) if n.op == "var" and n.arg.startswith("at")}
+            per_group.setdefault(min(group), set()).add(node)
+    assert len(per_group) == 4 and all(len(words) <= 72 for words in per_group.values()), \
+        {g: len(w) for g, w in per_group.items()}
+
+
 def test_every_op_has_a_case():
     """A new op (or fused op) without a kernel case here would be untested on every device."""
     from dflash_ir.ops.registry import all_ops

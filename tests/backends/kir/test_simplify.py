@@ -180,9 +180,10 @@ def _same(a, b) -> bool:
     return a == b and type(a) is type(b)
 
 
-def _check_random(make, seed: int, trees: int) -> int:
+def _check_random(make, seed: int, trees: int, strict: bool = False) -> int:
     """Trees from `make`, evaluated before and after simplify on random inputs; returns how
-    many trees simplify changed (so a run that tests nothing fails)."""
+    many trees simplify changed (so a run that tests nothing fails). `strict`: inputs on which
+    the tree overflows a signed int (undefined in C) are skipped."""
     rng = random.Random(seed)
     changed = 0
     for _ in range(trees):
@@ -191,7 +192,7 @@ def _check_random(make, seed: int, trees: int) -> int:
         changed += simple != tree
         for env in _envs(rng, 4):
             try:
-                want = evaluate(tree, env)
+                want = evaluate(tree, env, strict)
             except Undefined:
                 continue
             got = evaluate(simple, env)
@@ -218,3 +219,67 @@ def test_the_evaluator_sees_c_semantics():
     assert evaluate(const(2 ** 31 - 1) + 1, env) == -2 ** 31
     assert evaluate(const(0.1) < const(float(np.float32(0.1))), env) is False
     assert BOOL == (var("n0") < 1).dtype and U32 != I32
+
+
+# -- bit fields: a block decoder's byte offsets and shifts ----------------------------------
+def _bit_tree(rng: random.Random, depth: int) -> K:
+    """Index arithmetic as the block decoders write it: an index built as (s << k) | e or
+    s * 2^k + e, then shifted, masked, scaled and offset."""
+    if depth == 0 or rng.random() < 0.2:
+        r = rng.random()
+        if r < 0.3:
+            return var(rng.choice(["n0", "n1"]))
+        if r < 0.6:
+            k = rng.randrange(0, 8)
+            s = var(rng.choice(["n0", "n1"]))
+            return (s << k if rng.random() < 0.5 else s * (1 << k)) | rng.randrange(0, 1 << k) if rng.random() < 0.5 \
+                else (s << k if rng.random() < 0.5 else s * (1 << k)) + rng.randrange(-4, 1 << k)
+        return const(rng.randrange(-8, 300))
+    a = _bit_tree(rng, depth - 1)
+    op = rng.choice(["shr", "shr", "and", "and", "add", "mul", "or", "shl", "sub"])
+    if op == "shr":
+        return a >> rng.randrange(0, 9)
+    if op == "shl":
+        return a << rng.randrange(0, 4)
+    if op == "and":
+        return a & ((1 << rng.randrange(0, 9)) - 1)
+    if op == "mul":
+        return a * rng.choice([1, 2, 4, 16, 32, 3, -2])
+    return binary(op, a, _bit_tree(rng, depth - 1) if rng.random() < 0.5 else const(rng.randrange(0, 70)))
+
+
+def test_simplify_never_changes_a_bit_field_result():
+    """The shift rules assume, as C does, that signed ints do not overflow."""
+    assert _check_random(lambda rng: _bit_tree(rng, 4), seed=4, trees=3000, strict=True) > 600
+
+
+def _ops(node: K) -> set:
+    return {node.op}.union(*(_ops(s) for s in node.src))
+
+
+def test_a_decoder_index_folds_to_constants():
+    """Element e of sub-block pair s of a Q4_K block (i = s << 6 | e): the byte
+    16 + 32 * (i >> 6) + (i & 31) and the shift 4 * ((i >> 5) & 1), as blocks.bits writes them:
+    the shift and which half of a u16 word the byte is fold to constants, and the byte and its
+    word to s's part plus a constant, the same tree for the two bytes of a word."""
+    s = var("s")
+    words = {}
+    for e in range(64):
+        i = (s << 6) | e
+        byte = 16 + 32 * (i >> 6) + (i & 31)
+        assert _value(simplify(4 * ((i >> 5) & 1))) == 4 * (e >> 5)
+        assert _value(simplify(byte & 1)) == e % 2
+        word = words.setdefault((e % 32) // 2, simplify(byte >> 1))
+        assert simplify(byte >> 1) == word
+        for got, want in ((simplify(byte), lambda n: 16 + 32 * n + e % 32), (word, lambda n: (16 + 32 * n + e % 32) // 2)):
+            assert not _ops(got) & {"or", "and"}, got
+            assert all(evaluate(got, {"s": n}) == want(n) for n in range(5))
+
+
+def test_trees_differing_in_a_zero_sign_are_different_trees():
+    """simplify shares what it has simplified between kernels by structure, so structure must
+    tell -0.0 from 0.0 (Python's == does not) and see a NaN constant as itself."""
+    assert const(-0.0) != const(0.0) and const(math.nan) == const(math.nan)
+    assert simplify(f * 0.0).src[1].arg == 0.0
+    negative = simplify(f * -0.0).src[1].arg
+    assert negative == 0.0 and math.copysign(1.0, negative) == -1.0

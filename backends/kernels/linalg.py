@@ -497,13 +497,16 @@ def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K
         def norm_at(i: K) -> K:
             return weight_at(t.norm[0].type.dtype, bufs["norm"], const(0), i, k)
     q8_x = (x, rows) if x_q8 else None
-    tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype)
+    one_row = M.op == "const" and M.arg == 1  # a decode's product, not a prefill's one-row bucket
+    tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype,
+              one_row)
     _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
 
 
 def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
               x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None = None,
-              q8_x: tuple[Buffer, list[K]] | None = None, dp4: bool = False, dtype: DType = DType.Q8_0) -> None:
+              q8_x: tuple[Buffer, list[K]] | None = None, dp4: bool = False, dtype: DType = DType.Q8_0,
+              one_row: bool = False) -> None:
     """The inner loops of a CPU tile (dense products and the expert products of kernels/moe.py):
     for blocks 0 .. nb-1 of each group j (its buffer, and the byte of its first block in
     quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r,
@@ -512,11 +515,12 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
     into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first element): exact
     integer block sums, scaled by both scales; with `dp4` (the weights in the dp4 layout) the
     integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers. Another block `dtype`
-    (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums."""
+    (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, unrolled where the
+    product is `one_row` (a decode's)."""
     V = F32.vec(COLS)
     G = len(groups)
     if dtype is not DType.Q8_0:
-        _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at)
+        _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at, one_row)
         return
     if dp4:
         _dp4_tile_sums(kb, groups, nb, acc, R, q8_x)
@@ -546,18 +550,19 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
 
 
 def _block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
-                     x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None) -> None:
+                     x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None, one_row: bool) -> None:
     """tile_sums over a block type's pack: per block and sub-block, each group's 16 scales and
     offsets decoded once as vectors (the block decoder run lane-wise, access.Cols16Loads), then
     per input index its 16 codes, value = scale * code + offset in ggml's order, and one FMA
-    per row and group, as for Q8_0. A one-row tile (a decode, where the decoding is the cost)
-    unrolls the lowering's block_span elements here with constant positions, so their byte
-    offsets and shifts fold to constants (kir/simplify.py's bit rules) and elements sharing a
-    byte share its load; more rows amortise the decoding over the rows, and keep a loop (a
-    quarter of the device compile time). Either way the same FMAs in the same order."""
+    per row and group, as for Q8_0. A product of one row (a decode, where the decoding is the
+    cost) unrolls the lowering's block_span elements here with constant positions, so their
+    byte offsets and shifts fold to constants (kir/simplify.py's bit rules) and elements
+    sharing a byte share its load; more rows amortise the decoding over the rows, and keep a
+    loop, as does a prefill's one-row tile (an unrolled kernel costs seconds of compile time).
+    Either way the same FMAs in the same order."""
     fmt = DECODERS[dtype]
     size, words = dtype.block_size, dtype.block_bytes // 2
-    unrolled = R == 1 and kb.ctx.block_span > 0
+    unrolled = one_row and kb.ctx.block_span > 0
     span = min(size, max(kb.ctx.block_span, fmt.sub)) if unrolled else fmt.sub
     G = len(groups)
 

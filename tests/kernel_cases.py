@@ -188,10 +188,11 @@ case("dequantize_q4_k")(lambda c: c.out(c.b.dequantize(c.w("w", (3, 512), DType.
 
 
 def _fused_matmul(dtype: DType, widths: tuple[int, ...], norm: bool, epilogue: str, q8: bool = False, k: int = 96,
-                  form: str = "gemv"):
-    """Products with the norm before and the SwiGLU after (ragged widths: groups of 16 padded)."""
+                  form: str = "gemv", rows: int | str = "T"):
+    """Products with the norm before and the SwiGLU after (ragged widths: groups of 16 padded);
+    `rows` a number fixes the row count (a decode's product: one row)."""
     def make(c: CaseBuilder) -> None:
-        x = c.x("x", ("T", k))
+        x = c.x("x", (rows, k))
         operands = ([c.w("norm", (k,), F32)] if norm else []) + [c.w(f"w{i}", (n, k), dtype) for i, n in enumerate(widths)]
         out = c.b.op("fused_matmul", c.b.op("quantize_q8_0", x) if q8 else x, *operands, op=OPS[dtype], form=form,
                      K=k, Ns=widths, layout=f"{dtype}_rowmajor", norm_eps=1e-6 if norm else None, epilogue=epilogue)
@@ -208,6 +209,8 @@ for _dt, _t in ((DType.Q4_K, 1), (DType.Q6_K, 3), (DType.Q3_K, 20)):
     _k = 2 * _dt.block_size if _dt.block_size > 32 else 96
     case(f"fused_matmul_norm_group_{_dt}_{_t}_rows", T=_t)(_fused_matmul(_dt, (24, 8, 36), True, "none", k=_k))
     case(f"fused_matmul_norm_swiglu_{_dt}_{_t}_rows", T=_t)(_fused_matmul(_dt, (40, 40), True, "swiglu", k=_k))
+# a decode's product (one row, fixed): the CPU tile unrolls the block (lowering.BLOCK_SPAN)
+case("fused_matmul_norm_swiglu_q4_k_decode")(_fused_matmul(DType.Q4_K, (40, 40), True, "swiglu", k=512, rows=1))
 case("fused_matmul_norm_swiglu_gemm", T=21)(_fused_matmul(Q8, (40, 40), True, "swiglu", form="gemm"))
 case("fused_matmul_swiglu_q8_x", T=5)(_fused_matmul(Q8, (48, 48), False, "swiglu", q8=True))
 for _dt in (F16, Q8):

@@ -586,7 +586,7 @@ def _block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]
         with kb.loop("c", 0, size // span) as c:
             pos = kb.let("pos", b * size + (c << (span.bit_length() - 1)))
             for p in range(span // fmt.sub):
-                sub = (c << (span // fmt.sub).bit_length() - 1) | p
+                sub = (c << ((span // fmt.sub).bit_length() - 1)) | p
                 scale = [kb.let(f"sc{j}_{p}", fmt.scale(blk, sub)) for j, blk in enumerate(blocks)]
                 offset = [kb.let(f"of{j}_{p}", fmt.offset(blk, sub)) for j, blk in enumerate(blocks)] if fmt.offset else None
                 if unrolled:  # i as bits, for the simplifier to split into c's part and e

@@ -6,8 +6,9 @@ constant folding and the integer identities below make the printed kernels read 
 hand-written ones. The bit-field rules know an index's low zero bits (`i = s << 5 | e` has
 none set below bit 5 but e's): a block decoder's byte offsets and shifts, built from such an
 index with e a constant, fold to the loop variable's part plus constants, so the device
-compiler sees the same load for elements that share a byte. Float identities are only those exact in IEEE arithmetic (x * 1,
-x / 1, x + 0 is not: -0 + 0 = +0), so simplification never changes a result.
+compiler sees the same load for elements that share a byte. Float identities are only those
+exact in IEEE arithmetic (x * 1, x / 1; x + 0 is not: -0 + 0 = +0), so simplification never
+changes a result.
 """
 from __future__ import annotations
 

@@ -54,17 +54,32 @@ def test_one_row_block_tiles_read_each_word_of_a_block_once_per_step():
     from dflash_ir.backends.kir.ir import walk
     from dflash_ir.backends.lowering import BLOCK_SPAN, lower
 
-    plan = lower(CASES["fused_matmul_norm_group_q4_k_1_rows"].build().b.build(), "cpu")
-    one_row = [k for k in plan.kernels.values() if k.op == "matmul_tiles" and
-               not any(n.op == "var" and n.arg.startswith("acc1_") for n in walk(k.body))]
-    assert BLOCK_SPAN == 128 and len(one_row) == 1
+    plan = lower(CASES["fused_matmul_norm_swiglu_q4_k_decode"].build().b.build(), "cpu")
+    tiles = [k for k in plan.kernels.values() if k.op == "matmul_tiles"]
+    assert BLOCK_SPAN == 128 and len(tiles) == 1
     per_group: dict[str, set] = {}
-    for node in walk(one_row[0].body):
+    for node in walk(tiles[0].body):
         if node.op == "load" and node.arg[0] == "w" and node.dtype.lanes == 16:
             group = {n.arg for n in walk(node.src[0]) if n.op == "var" and n.arg.startswith("at")}
             per_group.setdefault(min(group), set()).add(node)
     assert len(per_group) == 4 and all(len(words) <= 72 for words in per_group.values()), \
         {g: len(w) for g, w in per_group.items()}
+
+
+def test_only_a_decode_product_unrolls_its_block_tile():
+    """The unrolled tile costs seconds of device compile: a prefill's one-row bucket (rows not
+    fixed at one) and lavapipe's lowering (block_span=0) keep the element loop."""
+    from dflash_ir.backends.kir.ir import walk
+    from dflash_ir.backends.lowering import lower
+
+    def element_loops(plan):
+        return [any(n.op == "unroll" and n.src[0].arg == "e" for n in walk(k.body)) for k in plan.kernels.values()
+                if k.op == "matmul_tiles"]
+
+    decode = CASES["fused_matmul_norm_swiglu_q4_k_decode"].build().b.build()
+    assert element_loops(lower(decode, "cpu")) == [False]
+    assert element_loops(lower(decode, "cpu", row_streams=1, block_span=0)) == [True]
+    assert all(element_loops(lower(CASES["matmul_q4_k_16_rows"].build().b.build(), "cpu")))
 
 
 def test_every_op_has_a_case():

@@ -35,9 +35,19 @@ from dflash_ir.types import TensorType
 
 from .kir.ir import Kernel
 
-# weight layouts a kernel may ask for: name -> storage bytes in that layout
+
+def as_stored(storage: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`storage` itself (into `out`'s bytes when given)."""
+    if out is None:
+        return np.ascontiguousarray(storage)
+    np.copyto(out.view(storage.dtype).reshape(storage.shape), storage)
+    return out
+
+
+# weight layouts a kernel may ask for: name -> (storage, out=None) -> storage bytes in that
+# layout, into `out` when given
 LAYOUTS = {"q8_0_cols16": pack_q8_0_cols16, "q8_0_cols16_dp4": functools.partial(pack_q8_0_cols16, dp4=True),
-           "as_stored": np.ascontiguousarray} | {
+           "as_stored": as_stored} | {
     cols16_layout(d): functools.partial(pack_blocks_cols16, dtype=d) for d in TILED_BLOCK_TYPES}
 # rows of a matrix each layout packs together: a run of whole units packs on its own
 _ROW_UNIT = {name: 1 if name == "as_stored" else COLS for name in LAYOUTS}
@@ -45,17 +55,22 @@ PART_BYTES = 8 << 20  # the most of a weight the runner reads and packs at once
 
 
 def layout_parts(storage: np.ndarray, layout: str, part_bytes: int = PART_BYTES):
-    """(part, its bytes in `layout`) for runs of whole row units of each matrix of `storage`,
-    in order: the packed parts one after another are the whole weight in `layout`. Loading a
-    weight part by part keeps what it costs the host to a part at a time, however large the
-    weight (a 1 GB embedding); an `as_stored` part is a view of `storage`, not a copy."""
+    """Views of `storage`, runs of whole row units of each of its matrices, in order: the parts
+    packed (LAYOUTS[layout]) one after another are the whole weight in `layout`. Loading a
+    weight part by part keeps what it costs the host to a few parts at a time, however large
+    the weight (a 1 GB embedding); an `as_stored` part packs to itself, not a copy."""
     matrices = storage.reshape(-1, *storage.shape[-2:]) if storage.ndim >= 2 else storage.reshape(1, 1, -1)
     unit = _ROW_UNIT[layout]
     step = max(1, part_bytes // (unit * matrices.shape[-1] * storage.itemsize)) * unit
     for matrix in matrices:
         for start in range(0, len(matrix), step):
-            part = matrix[start:start + step]
-            yield part, LAYOUTS[layout](part)
+            yield matrix[start:start + step]
+
+
+def part_bytes_packed(part: np.ndarray, layout: str) -> int:
+    """Bytes a part of layout_parts is in `layout`: its rows padded to whole units."""
+    unit = _ROW_UNIT[layout]
+    return -(-len(part) // unit) * unit * part[0].nbytes
 
 
 def packed_bytes(types: Sequence[TensorType], layout: str) -> int:

@@ -12,7 +12,8 @@ reads one when asked. Outputs the caller names in `keep` stay on the device the 
 replays), and any program whose device shares the memory (`Device.memory`) takes them as
 inputs.
 Weights are uploaded once (in the layout the kernels read: a packed copy where the plan
-asks for one, `plan.packs`), a part at a time, each part's pages of the mapped GGUF released
+asks for one, `plan.packs`), a part at a time, packed on a thread per core (straight into
+the device's memory where the host can map it), each part's pages of the mapped GGUF released
 once it is on the device, so a load holds one copy of the weights (the device's), not two;
 steps that depend on weights only (e.g. dequantising a weight) run once at load; both are
 shared by every program of one load through `Resident`.
@@ -27,8 +28,10 @@ that list without evaluating a size expression.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
-from typing import Any, Callable, Collection, Mapping, Protocol
+import os
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Collection, Iterator, Mapping, Protocol
 
 import numpy as np
 
@@ -39,7 +42,7 @@ from dflash_ir.program import BindError, DeviceArray, RunResult, WeightLoader, c
 from dflash_ir.quant import storage_shape
 
 from .launch_check import check_plan
-from .plan import Check, Plan, compile_expr, layout_parts, packed_bytes, symbol_param
+from .plan import LAYOUTS, Check, Plan, compile_expr, layout_parts, packed_bytes, part_bytes_packed, symbol_param
 
 _PLANS_KEPT = 4  # buffer sets kept for distinct symbol values (prefill chunk sizes, T=1, T=16 ...)
 
@@ -55,6 +58,8 @@ class Device(Protocol):
     # a device that has it keeps states on the device between calls
     # optional: `memory`, equal for devices whose buffers one another's `copy` can read
     # (the programs of one load); default: the device itself
+    # optional: `map_for_write(buf, nbytes) -> (host array of the buffer's bytes, unmap)`, for
+    # a device whose memory the host can write directly (weights are packed into it)
 
 
 class Resident:
@@ -80,12 +85,14 @@ class DeviceProgram:
         self._root = lambda name: plan.aliases.get(name, name)
         self._keys = self._constant_keys(weights)
         self._resident_keys: dict[str, tuple] = {}
+        self._unfilled: list[tuple[Any, tuple, str]] = []  # (buffer, weights, layout) _fill uploads
         bound = {self._root(b) for step in plan.steps for launch in step.launches for b in launch.buffers}
         by_name = {w.value.name: w for w in graph.weights}
         self._resident = {w.value.name: self._weight(w, weights, resident) for w in graph.weights
                           if w.value.name in bound}  # a weight only read packed is not uploaded as it is
         self._resident.update({name: self._packed(name, tuple(by_name[w] for w in ws), weights, resident, layout)
                                for name, (ws, layout) in plan.packs.items()})
+        self._fill(weights)
         self._symbols = graph.symbols  # walks every value: once, not per call
         self._resident_bytes = {name: resident.nbytes[key] for name, key in self._resident_keys.items()}
         self._resident_bytes.update(self._constant_bytes())
@@ -117,24 +124,50 @@ class DeviceProgram:
         return self._upload(resident, key, ws, weights, layout)
 
     def _upload(self, resident: Resident, key: tuple, ws: tuple, weights: WeightLoader, layout: str):
-        """Weights `ws` in `layout` in one device buffer, made once per `resident`. They are
-        read, packed and uploaded a part at a time, and each part the loader can release
-        (a mapped file's pages, `release`: dflash_ir/program.py) is released once it is on
-        the device, so loading holds about one copy of the weights, not the file and the
-        device's copy."""
+        """The device buffer of weights `ws` in `layout`, one after another, made once per
+        `resident` (filled by _fill)."""
         if key not in resident.buffers:
             nbytes = packed_bytes([w.value.type for w in ws], layout)
-            buf, offset, release = self.device.alloc(nbytes), 0, getattr(weights, "release", None)
-            for w in ws:
-                for part, packed in layout_parts(self._storage(w, weights), layout):
-                    self.device.upload(buf, packed, offset)
-                    offset += packed.nbytes
-                    if release is not None:
-                        release(w, part)
-            if offset != nbytes:
-                raise AssertionError(f"{self.graph.name}: {layout} packed {offset} bytes of {key}, planned {nbytes}")
-            resident.buffers[key], resident.nbytes[key] = buf, nbytes
+            resident.buffers[key], resident.nbytes[key] = self.device.alloc(nbytes), nbytes
+            self._unfilled.append((resident.buffers[key], ws, layout))
         return resident.buffers[key]
+
+    def _fill(self, weights: WeightLoader) -> None:
+        """Read, pack and upload the weights of the buffers _upload made, a part at a time:
+        each part the loader can release (a mapped file's pages, `release`:
+        dflash_ir/program.py) is released once it is on the device, so loading holds about
+        one copy of the weights, not the file and the device's copy. Parts are packed on a
+        thread per core (numpy's copies run outside the GIL), a few parts ahead of the
+        upload; on a device whose buffers the host can map, straight into the buffer."""
+        release, mapper = getattr(weights, "release", None), getattr(self.device, "map_for_write", None)
+        planned = [packed_bytes([w.value.type for w in ws], layout) for _, ws, layout in self._unfilled]
+        maps = [mapper(buf, nbytes) if mapper else (None, None) for (buf, _, _), nbytes in zip(self._unfilled, planned)]
+        offsets = [0] * len(self._unfilled)
+
+        def parts():
+            for i, (_, ws, layout) in enumerate(self._unfilled):
+                for w in ws:
+                    for part in layout_parts(self._storage(w, weights), layout):
+                        start, offsets[i] = offsets[i], offsets[i] + part_bytes_packed(part, layout)
+                        yield i, w, part, layout, start, offsets[i]
+
+        def pack(i, w, part, layout, start, end):
+            host = maps[i][0]
+            return LAYOUTS[layout](part, out=None if host is None else host[start:end])
+
+        for (i, w, part, _, start, _), packed in _ahead(parts(), pack):
+            if maps[i][0] is None:
+                self.device.upload(self._unfilled[i][0], packed, start)
+            if release is not None:
+                release(w, part)
+        for _, unmap in maps:
+            if unmap is not None:
+                unmap()
+        for (_, ws, layout), offset, nbytes in zip(self._unfilled, offsets, planned):
+            if offset != nbytes:
+                raise AssertionError(f"{self.graph.name}: {layout} packed {offset} bytes of "
+                                     f"{[w.value.name for w in ws]}, planned {nbytes}")
+        self._unfilled.clear()
 
     def _storage(self, w, weights: WeightLoader) -> np.ndarray:
         arr = np.ascontiguousarray(weights(w))
@@ -346,3 +379,26 @@ def _launch_each(device: Device, launches: list[tuple]) -> None:
 def _nbytes(v: Value, bindings: Mapping[str, int]) -> int:
     shape = storage_shape(v.type.concrete(bindings), v.type.dtype)
     return max(4, int(np.prod(shape, dtype=np.int64)) * v.type.dtype.numpy().itemsize)
+
+
+def pack_workers() -> int:
+    """Threads a load packs weights on: one per usable core, at most 8, each holding a part
+    (and its packed copy, where the device is not mapped) beyond the device's copy of the
+    weights: up to 2 x PART_BYTES a thread."""
+    return min(8, len(os.sched_getaffinity(0)))
+
+
+def _ahead(jobs: Iterator[tuple], work: Callable):
+    """(job, work(*job)) for each job, in order, worked on pack_workers() threads, at most
+    that many jobs ahead of the one the caller takes."""
+    workers = pack_workers()
+    with ThreadPoolExecutor(workers) as pool:
+        ahead: deque = deque()
+        for job in jobs:
+            ahead.append((job, pool.submit(work, *job)))
+            if len(ahead) > workers:
+                done, result = ahead.popleft()
+                yield done, result.result()
+        while ahead:
+            done, result = ahead.popleft()
+            yield done, result.result()

@@ -8,7 +8,8 @@ Leading dims are free, so any row selection of a storage array is itself a valid
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -158,7 +159,7 @@ COLS = 16  # weight rows interleaved by pack_q8_0_cols16: one 16-wide vector per
 COLS_BLOCK_BYTES = COLS * 2 + COLS * 32  # a group's block: 16 f16 scales, then 32 x 16 quants
 
 
-def pack_q8_0_cols16(storage: np.ndarray, dp4: bool = False) -> np.ndarray:
+def pack_q8_0_cols16(storage: np.ndarray, dp4: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """Q8_0 rows (storage [n, K/32*34]) in groups of 16 rows, block by block: for group g and
     block b, at byte (g * nb + b) * 544, the 16 rows' f16 scales (32 bytes), then the quants
     for input index k = 32 b + kk at 32 + 16 kk + row (so one 16-byte load holds one input
@@ -172,18 +173,46 @@ def pack_q8_0_cols16(storage: np.ndarray, dp4: bool = False) -> np.ndarray:
     product instruction (x86 VPDPBUSD)."""
     rows = np.ascontiguousarray(storage, dtype=np.uint8)
     if rows.ndim > 2:
-        return np.concatenate([pack_q8_0_cols16(m, dp4) for m in rows.reshape(-1, *rows.shape[-2:])])
-    rows = rows.reshape(-1, rows.shape[-1])
-    nb = rows.shape[1] // DType.Q8_0.block_bytes
-    padded = np.zeros((-(-len(rows) // COLS) * COLS, rows.shape[1]), np.uint8)
-    padded[:len(rows)] = rows
-    blocks = padded.reshape(-1, COLS, nb, DType.Q8_0.block_bytes)        # [g, row, b, 34]
-    scales = blocks[..., :2].transpose(0, 2, 1, 3).reshape(-1, nb, COLS * 2)  # [g, b, row * 2]
-    if dp4:  # [g, b, kk / 4, row, kk % 4]
-        quants = blocks[..., 2:].reshape(-1, COLS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(-1, nb, COLS * 32)
-    else:    # [g, b, kk, row]
-        quants = blocks[..., 2:].transpose(0, 2, 3, 1).reshape(-1, nb, COLS * 32)
-    return np.concatenate([scales, quants], axis=2).reshape(-1)
+        return _stacked(functools.partial(pack_q8_0_cols16, dp4=dp4), rows, out)
+    blocks = rows.reshape(-1, rows.shape[-1] // DType.Q8_0.block_bytes, DType.Q8_0.block_bytes)  # [row, b, 34]
+    groups, nb = -(-len(blocks) // COLS), blocks.shape[1]
+    out = _groups_out(out, len(blocks), (groups, nb, COLS_BLOCK_BYTES), np.uint8)
+    _interleave_rows(blocks[..., :2], out[..., :COLS * 2].reshape(groups, nb, COLS, 2), axis=2)
+    if dp4:  # the quants copied out of their 34-byte blocks first, so their 4-byte words move as u32s
+        words = np.ascontiguousarray(blocks[..., 2:]).view("<u4")            # [row, b, 8]
+        _interleave_rows(words, out[..., COLS * 2:].view("<u4").reshape(groups, nb, 8, COLS), axis=3)
+    else:
+        _interleave_rows(blocks[..., 2:], out[..., COLS * 2:].reshape(groups, nb, 32, COLS), axis=3)
+    return out.reshape(-1)
+
+
+def _stacked(pack: Callable[[np.ndarray], np.ndarray], rows: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """A stack of matrices packed matrix by matrix, one after another (into `out` when given)."""
+    packed = np.concatenate([pack(m) for m in rows.reshape(-1, *rows.shape[-2:])])
+    if out is None:
+        return packed
+    out[:] = packed
+    return out
+
+
+def _groups_out(out: np.ndarray | None, rows: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """`out` (bytes) viewed as `shape` groups of COLS rows, or a new array; the padding rows
+    of a last partial group zeroed."""
+    if out is None:
+        return np.zeros(shape, dtype)
+    grouped = out.view(dtype).reshape(shape)
+    if rows % COLS:
+        grouped[-1] = 0
+    return grouped
+
+
+def _interleave_rows(rows: np.ndarray, out: np.ndarray, axis: int) -> None:
+    """Row c of each group of COLS rows of `rows` ([n, ...]) into out[group, ..., c, ...], c at
+    `axis`: one strided copy per c, several times faster in numpy than one transposing copy
+    of small elements (what makes a load's packing run at GB/s)."""
+    for c in range(COLS):
+        part = rows[c::COLS]
+        out[(slice(0, len(part)),) + (slice(None),) * (axis - 1) + (c,)] = part
 
 
 # block types the CPU tiles decode 16 outputs at a time (pack_blocks_cols16): those whose
@@ -197,24 +226,21 @@ def cols16_layout(dtype: DType) -> str:
     return "q8_0_cols16" if dtype is DType.Q8_0 else f"{dtype.value}_cols16"
 
 
-def pack_blocks_cols16(storage: np.ndarray, dtype: DType) -> np.ndarray:
+def pack_blocks_cols16(storage: np.ndarray, dtype: DType, out: np.ndarray | None = None) -> np.ndarray:
     """Rows of block type `dtype` (storage [n, nb * block_bytes], an even block size) in groups
     of 16 rows, block by block, as the blocks' 16-bit words side by side: word w of row c's
     block b of group g (its bytes 2w and 2w + 1, little-endian) at u16 index
     ((g * nb + b) * block_bytes / 2 + w) * 16 + c. So one 16-wide u16 load holds the same word
     of 16 rows' blocks, and the CPU tiles run a block decoder (dflash_ir/blocks.py) on 16
     outputs at once, every read a vector. Rows past n (to a multiple of 16) are zero. A stack of
-    matrices is packed matrix by matrix, as pack_q8_0_cols16."""
+    matrices is packed matrix by matrix, and `out` is as pack_q8_0_cols16's."""
     nbytes = dtype.block_bytes
     if not dtype.is_block or nbytes % 2:
         raise ValueError(f"pack_blocks_cols16 packs block types of an even block size, not {dtype}")
     rows = np.ascontiguousarray(storage, dtype=np.uint8)
     if rows.ndim > 2:
-        return np.concatenate([pack_blocks_cols16(m, dtype) for m in rows.reshape(-1, *rows.shape[-2:])])
-    rows = rows.reshape(-1, rows.shape[-1])
-    nb = rows.shape[1] // nbytes
-    padded = np.zeros((-(-len(rows) // COLS) * COLS, nb, nbytes), np.uint8)
-    padded[:len(rows)] = rows.reshape(len(rows), nb, nbytes)
-    words = padded[..., 0::2].astype(np.uint16) | (padded[..., 1::2].astype(np.uint16) << 8)  # [row, b, w]
-    grouped = words.reshape(-1, COLS, nb, nbytes // 2).transpose(0, 2, 3, 1)             # [g, b, w, row]
-    return np.ascontiguousarray(grouped).astype("<u2").view(np.uint8).reshape(-1)
+        return _stacked(functools.partial(pack_blocks_cols16, dtype=dtype), rows, out)
+    words = rows.reshape(-1, rows.shape[-1]).view("<u2")                          # [row, b * w]
+    out = _groups_out(out, len(words), (-(-len(words) // COLS), words.shape[1], COLS), "<u2")  # [g, b * w, row]
+    _interleave_rows(words, out, axis=2)
+    return out.view(np.uint8).reshape(-1)

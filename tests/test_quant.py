@@ -201,3 +201,5 @@ def test_block_cols16_refuses_odd_blocks_and_packs_expert_banks_matrix_by_matrix
     per = pack_blocks_cols16(bank[0], DType.Q4_K).size
     assert packed.size == 3 * per
     assert all(np.array_equal(packed[e * per:(e + 1) * per], pack_blocks_cols16(bank[e], DType.Q4_K)) for e in range(3))
+    into = np.full(packed.size, 0xA5, np.uint8)  # a mapped buffer's old bytes
+    assert pack_blocks_cols16(bank, DType.Q4_K, out=into) is into and np.array_equal(into, packed)

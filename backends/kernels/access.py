@@ -107,9 +107,6 @@ class Cols16Loads(_BlockLoads):
     (the decoders address bytes by element and sub-block only), so the decoder's arithmetic
     runs lane-wise, unchanged."""
 
-    def __init__(self, buf: Buffer, word: K):
-        super().__init__(buf, word)
-
     def _word(self, byte) -> K:
         return self.block + (byte >> 1) * COLS
 

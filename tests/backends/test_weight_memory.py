@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import gguf
@@ -15,7 +16,7 @@ import pytest
 from dflash_ir.artifact import FileWeights
 from dflash_ir.backends import runner
 from dflash_ir.backends.base import get_backend
-from dflash_ir.backends.plan import LAYOUTS, layout_parts
+from dflash_ir.backends.plan import LAYOUTS, PART_BYTES, layout_parts, part_bytes_packed
 from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
 from dflash_ir.interpreter import Interpreter
@@ -64,10 +65,18 @@ def test_parts_packed_one_after_another_are_the_whole_pack(shape, dtype, part_by
         storage = np.random.default_rng(1).integers(0, 256, full).astype(dtype)
         pack = LAYOUTS[layout]
         parts = list(layout_parts(storage, layout, part_bytes))
-        assert np.concatenate([p.reshape(-1).view(np.uint8) for _, p in parts]).tobytes() == pack(storage).tobytes()
-        assert sum(part.nbytes for part, _ in parts) == storage.nbytes  # every source byte in exactly one part
+        packed = [pack(part) for part in parts]
+        whole = pack(storage).reshape(-1).view(np.uint8)
+        assert np.concatenate([p.reshape(-1).view(np.uint8) for p in packed]).tobytes() == whole.tobytes()
+        assert sum(part.nbytes for part in parts) == storage.nbytes  # every source byte in exactly one part
+        assert [part_bytes_packed(part, layout) for part in parts] == [p.nbytes for p in packed]
         if layout == "as_stored":  # uploaded straight from the mapping, no copy
-            assert all(np.shares_memory(packed, storage) for _, packed in parts)
+            assert all(np.shares_memory(p, storage) for p in packed)
+        into = np.full(whole.nbytes, 0xA5, np.uint8)  # a mapped device buffer's old bytes
+        offsets = np.cumsum([0] + [p.nbytes for p in packed])
+        for part, start, end in zip(parts, offsets, offsets[1:]):
+            pack(part, out=into[start:end])
+        assert into.tobytes() == whole.tobytes()  # padding rows zeroed too
 
 
 def test_release_drops_the_pages_and_the_view_still_reads(tmp_path):
@@ -90,10 +99,14 @@ def opencl():
     return be
 
 
+@pytest.mark.parametrize("mapped", [True, False])  # packed into the mapped buffer, or packed then uploaded
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])  # packed (cols16) and as stored
-def test_a_weight_uploaded_in_parts_computes_what_the_interpreter_does(opencl, tmp_path, monkeypatch, profile):
+def test_a_weight_uploaded_in_parts_computes_what_the_interpreter_does(opencl, tmp_path, monkeypatch, profile, mapped):
     rows, cols = 40, 256  # 40 rows: two whole groups of 16 and a padded one
     monkeypatch.setenv("DFLASH_IR_PROFILE", profile)
+    if not mapped:
+        from dflash_ir.backends.opencl import CLDevice
+        monkeypatch.delattr(CLDevice, "map_for_write")
     monkeypatch.setattr(runner, "layout_parts", functools.partial(layout_parts, part_bytes=1))  # a part per unit
     f = open_gguf(write_q8_0(tmp_path / "w.gguf", rows, cols))
     g = matmul_graph(rows, cols)
@@ -128,8 +141,9 @@ print(status("VmHWM") - before)
 
 
 def test_loading_holds_one_copy_of_the_weights(opencl, tmp_path):
-    """A 190 MiB weight on PoCL: the packed device copy plus parts in flight, not the mapped
-    file's pages too (414 MiB more without releasing them; 765 MiB packing it whole)."""
+    """A 190 MiB weight on PoCL: the packed device copy plus parts in flight (a part and its
+    packed copy per packing thread), not the mapped file's pages too (414 MiB more without
+    releasing them; 765 MiB packing it whole)."""
     rows, cols = 46080, 4096
     path = write_q8_0(tmp_path / "w.gguf", rows, cols)
     weight = open_gguf(path).tensors["w"].n_bytes
@@ -137,4 +151,26 @@ def test_loading_holds_one_copy_of_the_weights(opencl, tmp_path):
                             str(rows), str(cols)], capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
     grew = int(child.stdout.split()[-1])
-    assert grew < weight * 1.1 + 48 * MIB, f"loading a {weight / MIB:.0f} MiB weight took {grew / MIB:.0f} MiB"
+    in_flight = (runner.pack_workers() - 1) * 2 * PART_BYTES  # the parts the other packing threads hold
+    assert grew < weight * 1.1 + 48 * MIB + in_flight, f"loading a {weight / MIB:.0f} MiB weight took {grew / MIB:.0f} MiB"
+
+
+def test_parts_are_packed_on_a_thread_per_core_at_most_that_many_ahead(monkeypatch):
+    """A load packs on pack_workers() threads at once (a barrier of that many packers would
+    time out otherwise), hands the parts back in order, and never runs more than that many
+    parts ahead of the upload (the memory bound above)."""
+    workers, taken = 3, []
+    monkeypatch.setattr(runner, "pack_workers", lambda: workers)
+    together = threading.Barrier(workers, timeout=30)
+
+    def pack(part):
+        together.wait()
+        assert int(part[0]) - len(taken) <= workers  # never more than `workers` ahead of the upload
+        return part * 2
+
+    monkeypatch.setitem(runner.LAYOUTS, "probe", pack)
+    parts = ((n, np.array([n]), "probe") for n in range(4 * workers))
+    for part, packed in runner._ahead(parts, lambda n, array, layout: runner.LAYOUTS[layout](array)):
+        taken.append(part[0])
+        assert packed.tolist() == [2 * part[0]]
+    assert taken == list(range(4 * workers))

@@ -85,7 +85,7 @@ class DeviceProgram:
         self._root = lambda name: plan.aliases.get(name, name)
         self._keys = self._constant_keys(weights)
         self._resident_keys: dict[str, tuple] = {}
-        self._unfilled: list[tuple[Any, tuple, str]] = []  # (buffer, weights, layout) _fill uploads
+        self._unfilled: list[tuple[Any, tuple, str, int]] = []  # (buffer, weights, layout, bytes) for _fill
         bound = {self._root(b) for step in plan.steps for launch in step.launches for b in launch.buffers}
         by_name = {w.value.name: w for w in graph.weights}
         self._resident = {w.value.name: self._weight(w, weights, resident) for w in graph.weights
@@ -129,7 +129,7 @@ class DeviceProgram:
         if key not in resident.buffers:
             nbytes = packed_bytes([w.value.type for w in ws], layout)
             resident.buffers[key], resident.nbytes[key] = self.device.alloc(nbytes), nbytes
-            self._unfilled.append((resident.buffers[key], ws, layout))
+            self._unfilled.append((resident.buffers[key], ws, layout, nbytes))
         return resident.buffers[key]
 
     def _fill(self, weights: WeightLoader) -> None:
@@ -140,12 +140,11 @@ class DeviceProgram:
         thread per core (numpy's copies run outside the GIL), a few parts ahead of the
         upload; on a device whose buffers the host can map, straight into the buffer."""
         release, mapper = getattr(weights, "release", None), getattr(self.device, "map_for_write", None)
-        planned = [packed_bytes([w.value.type for w in ws], layout) for _, ws, layout in self._unfilled]
-        maps = [mapper(buf, nbytes) if mapper else (None, None) for (buf, _, _), nbytes in zip(self._unfilled, planned)]
+        maps = [mapper(buf, nbytes) if mapper else (None, None) for buf, _, _, nbytes in self._unfilled]
         offsets = [0] * len(self._unfilled)
 
         def parts():
-            for i, (_, ws, layout) in enumerate(self._unfilled):
+            for i, (_, ws, layout, _) in enumerate(self._unfilled):
                 for w in ws:
                     for part in layout_parts(self._storage(w, weights), layout):
                         start, offsets[i] = offsets[i], offsets[i] + part_bytes_packed(part, layout)
@@ -163,7 +162,7 @@ class DeviceProgram:
         for _, unmap in maps:
             if unmap is not None:
                 unmap()
-        for (_, ws, layout), offset, nbytes in zip(self._unfilled, offsets, planned):
+        for (_, ws, layout, nbytes), offset in zip(self._unfilled, offsets):
             if offset != nbytes:
                 raise AssertionError(f"{self.graph.name}: {layout} packed {offset} bytes of "
                                      f"{[w.value.name for w in ws]}, planned {nbytes}")

@@ -170,7 +170,9 @@ def pack_q8_0_cols16(storage: np.ndarray, dp4: bool = False, out: np.ndarray | N
 
     `dp4`: the quants of four input indices side by side instead, at 32 + 64 (kk / 4) +
     4 row + kk % 4, so a 64-byte load holds 16 outputs' 4-byte words for an integer dot
-    product instruction (x86 VPDPBUSD)."""
+    product instruction (x86 VPDPBUSD).
+
+    `out`: bytes to pack into (a mapped device buffer's), else a new array is returned."""
     rows = np.ascontiguousarray(storage, dtype=np.uint8)
     if rows.ndim > 2:
         return _stacked(functools.partial(pack_q8_0_cols16, dp4=dp4), rows, out)

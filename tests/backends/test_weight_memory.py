@@ -174,3 +174,9 @@ def test_parts_are_packed_on_a_thread_per_core_at_most_that_many_ahead(monkeypat
         taken.append(part[0])
         assert packed.tolist() == [2 * part[0]]
     assert taken == list(range(4 * workers))
+
+
+def test_packing_threads_are_the_usable_cores_at_most_eight(monkeypatch):
+    for cores, threads in ((1, 1), (2, 2), (64, 8)):
+        monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert runner.pack_workers() == threads

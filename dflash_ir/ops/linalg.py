@@ -26,7 +26,6 @@ _STORAGE_DTYPES = {d.numpy(): d for d in WEIGHT_DTYPES}
 
 # rows of a weight dequantised at a time by `matmul`: bounds the f32 copy to ~64 MiB
 _CHUNK_ELEMENTS = 1 << 24
-X_ROWS = 16  # rows of x per BLAS product in `matmul`
 
 
 def storage_dtype(storage: np.ndarray) -> DType:
@@ -93,28 +92,23 @@ def _matmul_rule(x: TensorType, w: TensorType) -> TensorType:
 
 @defop("matmul", _matmul_rule)
 def matmul(x, w):
-    """x @ wᵀ (PyTorch Linear layout w[N, K]); w is dequantised in row chunks. x's rows go
-    through BLAS X_ROWS at a time (the last group zero-padded): BLAS picks its kernel, and
-    so the order of a row's sums, by the shape, so one shape keeps a row's result independent
-    of the rows beside it (a verify block alone or stacked with others, padded or not)."""
+    """x @ wᵀ (PyTorch Linear layout w[N, K]); w is dequantised in row chunks. Each row of x
+    is its own matrix-vector product: a BLAS matrix-matrix kernel orders a row's sums by the
+    row's place in its register tile (OpenBLAS 0.3.31 on AVX-512 does), so a row's result
+    would depend on the rows beside it (a verify block against a decode step)."""
     n, k = w.shape[0], x.shape[-1]
     rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
     flat = x.reshape(-1, k)
     out = np.empty((len(flat), n), dtype=F32)
     for start in range(0, n, rows):
-        out[:, start:start + rows] = _row_groups_product(flat, as_f32(w[start:start + rows]))
+        out[:, start:start + rows] = _rowwise_product(flat, as_f32(w[start:start + rows]))
     return out.reshape(x.shape[:-1] + (n,))
 
 
-def _row_groups_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x[M, K] @ w[N, K]ᵀ as BLAS products of exactly X_ROWS rows of x (see `matmul`)."""
-    m = len(x)
-    padded = np.zeros((-(-m // X_ROWS) * X_ROWS, x.shape[1]), F32)
-    padded[:m] = x
-    out = np.empty((len(padded), len(w)), dtype=F32)
-    for r in range(0, len(padded), X_ROWS):
-        out[r:r + X_ROWS] = padded[r:r + X_ROWS] @ w.T
-    return out[:m]
+def _rowwise_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x[M, K] @ w[N, K]ᵀ as M matrix-vector products (numpy runs a stacked product with a
+    one-row matrix as one GEMV per stack item, inside one call)."""
+    return (x[:, None, :] @ w.T)[:, 0]
 
 
 def _expert_matmul_rule(x: TensorType, w: TensorType, ids: TensorType) -> TensorType:
@@ -144,5 +138,5 @@ def expert_matmul(x, w, ids):
     out = np.empty(ids.shape + (w.shape[1],), dtype=F32)
     for expert in np.unique(ids):
         t, s = np.nonzero(ids == expert)
-        out[t, s] = _row_groups_product(rows[t, s], as_f32(w[expert]))
+        out[t, s] = _rowwise_product(rows[t, s], as_f32(w[expert]))
     return out

@@ -26,6 +26,7 @@ and 0 (a loop) for lavapipe, which scalarises the 16-lane vectors (minutes per k
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 from dflash_ir.dtypes import DType
@@ -38,6 +39,7 @@ from dflash_ir.types import TensorType
 
 from .kir import K, KernelBuilder, const, var
 from .kir.build import Buffer
+from .kir.ir import Param
 from .kir.size import size_expr
 from .plan import Check, Launch, Plan, Step, contracts_of, packed_bytes, packed_type, symbol_param
 
@@ -167,6 +169,14 @@ class KernelSpec(KernelBuilder):
         self.bound.append(value.name)
         return self.buffer(name, ELEMENT[value.type.dtype], writes)
 
+    def emit_memoised(self, make: Callable[..., None], *key) -> None:
+        """The statements `make(kb, buffers, *key)` adds to a fresh KernelBuilder holding this
+        kernel's buffers (`buffers`: name -> Buffer), memoised on `make`, the buffers and `key`:
+        a model's layers lower the same products over and over, and building a product's tree
+        is most of lowering's time. `make` reads nothing but its arguments (a KernelBuilder has
+        no node context to read)."""
+        self.extend(_memoised_body(make, self.op, self.local, tuple(self._params.values()), key))
+
     def launch(self, groups: Sequence, when=None) -> None:
         """Add the launch: `groups` work-groups per dimension, and `when` the condition on
         the sizes under which this variant runs (kernel-tree expressions or ints)."""
@@ -176,6 +186,14 @@ class KernelSpec(KernelBuilder):
         groups = tuple(size_expr(g) for g in groups) + ("1",) * (3 - len(groups))
         self.ctx.launches.append(Launch(kernel.name, tuple(self.bound), kernel.ints, groups, kernel.local,
                                         None if when is None else size_expr(when)))
+
+
+@functools.lru_cache(maxsize=512)
+def _memoised_body(make: Callable[..., None], op: str, local: tuple[int, ...], params: tuple[Param, ...],
+                   key: tuple) -> tuple[K, ...]:
+    kb = KernelBuilder(op, local)
+    make(kb, {p.name: kb.buffer(p.name, p.ctype, p.writes) for p in params}, *key)
+    return kb.statements()
 
 
 def dim(d) -> K:

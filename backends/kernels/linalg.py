@@ -18,10 +18,10 @@ from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.ops.specialised import OPS
 from dflash_ir.passes.specialise_matmul import GEMV_KINDS
-from dflash_ir.types import Dim
+from dflash_ir.types import Dim, TensorType
 
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, dpbusd, maximum, minimum, select, vsum
-from ..kir.build import Buffer
+from ..kir.build import Buffer, KernelBuilder
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, SIGMOID, Cols16Loads, q8_row_bytes, weight_at, weight_chunk
 from dflash_ir.quant import COLS_BLOCK_BYTES, TILED_BLOCK_TYPES, cols16_layout
@@ -383,26 +383,27 @@ TILES = {False: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 4, 3, 4), (8, 2, 5, 8), (16, 1,
 
 @dataclass(frozen=True)
 class Tiled:
-    """What a CPU tile computes: the products of x with `weights` (of one block type, packed one
-    after another by quant.pack_q8_0_cols16 or pack_blocks_cols16, each padded to whole groups
-    of 16 rows), optionally RMS-normalising x first (`norm`: weight value and eps) and adding
-    `residual`, and writing each product to its output, or silu(product 0) * product 1 with
+    """What a CPU tile computes, as types (the key its memoised kernel body is built from): the
+    products of x with `weights` (of one block type, packed one after another by
+    quant.pack_q8_0_cols16 or pack_blocks_cols16, each padded to whole groups of 16 rows),
+    optionally RMS-normalising x first (`norm`: the norm weight's dtype and eps) and adding a
+    residual, and writing each product to its output, or silu(product 0) * product 1 with
     `swiglu`."""
 
-    x: Value
-    weights: tuple
-    outs: tuple
-    residual: Value | None = None
-    norm: tuple[Value, float] | None = None
+    x: TensorType
+    weights: tuple[TensorType, ...]
+    n_outs: int
+    residual: bool = False
+    norm: tuple[DType, float] | None = None
     swiglu: bool = False
 
     @property
     def k(self) -> int:
-        return self.weights[0].type.shape[1]
+        return self.weights[0].shape[1]
 
     @property
     def widths(self) -> list[int]:
-        return [w.type.shape[0] for w in self.weights]
+        return [w.shape[0] for w in self.weights]
 
     @property
     def starts(self) -> list[int]:
@@ -419,7 +420,8 @@ class Tiled:
 def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: Value | None = None,
                    norm: tuple[Value, float] | None = None, swiglu: bool = False) -> None:
     """Launch the CPU tiles of a product, one kernel per row-count bucket (TILES)."""
-    t = Tiled(x, tuple(weights), tuple(outs), residual, norm, swiglu)
+    t = Tiled(x.type, tuple(w.type for w in weights), len(outs), residual is not None,
+              None if norm is None else (norm[0].type.dtype, norm[1]), swiglu)
     x_q8 = x.type.dtype is DType.Q8_0
     layout = tile_layout(ctx, x_q8, weights[0].type.dtype)
     packed = ctx.packed(weights, layout)
@@ -431,18 +433,21 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
         per = max(1, groups // 2) if swiglu else groups  # units per work-item
         items = tile_items(-(-t.units // per))
         kb = ctx.kernel("matmul_tiles", (items,))
-        bufs = {"x": kb.bind("x", x), "w": kb.bind("w", packed)}
+        kb.bind("x", x)
+        kb.bind("w", packed)
         if norm:
-            bufs["norm"] = kb.bind("norm", norm[0])
+            kb.bind("norm", norm[0])
         if residual is not None:
-            bufs["residual"] = kb.bind("residual", residual)
-        names = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
-        bufs["outs"] = [kb.bind(name, o, writes=True) for name, o in zip(names, outs)]
+            kb.bind("residual", residual)
+        for i, o in enumerate(outs):
+            kb.bind(tile_out(t, i), o, writes=True)
         # a call of a known row count (a batched verify's 64 rows) walks them all in each
         # work-item, and any other at least a verify block's rows, so a weight group is read
         # from memory once per block; a prefill's blocks spread over the grid
         span = M if fixed is not None else const(max(rows, WALK_ROWS))
-        _tiles(kb, t, M, rows, per, bufs, items, span, layout == "q8_0_cols16_dp4")
+        # a decode's product (not a prefill's one-row bucket) unrolls its block types' elements
+        block_span = ctx.block_span if fixed == 1 else 0
+        kb.emit_memoised(_tiles, t, M, rows, per, items, span, layout == "q8_0_cols16_dp4", block_span)
         kb.launch([cdiv(const(t.units), per * items), cdiv(M, span)],
                   when=None if fixed is not None else (M >= lo) & (M <= hi))
 
@@ -456,7 +461,13 @@ def tile_items(work_items: int) -> int:
     return items
 
 
-def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: int, span: K, dp4: bool) -> None:
+def tile_out(t: Tiled, i: int) -> str:
+    """The kernel parameter of output i."""
+    return "out" if t.n_outs == 1 else f"out{i}"
+
+
+def _tiles(kb: KernelBuilder, bufs: dict, t: Tiled, M: K, R: int, P: int, items: int, span: K, dp4: bool,
+           block_span: int) -> None:
     """CPU schedule of a product over Q8_0 weights packed 16 rows at a time: a work-item owns
     P units (groups of 16 outputs, or gate/up pairs of groups) and `span` rows of x, which it
     takes R at a time, keeping the sums as 16-wide vectors in named registers (the tile is
@@ -464,7 +475,7 @@ def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: in
     Per input index it converts each group's 16 quants once, scaled by their blocks' scales
     (and the norm weight), and adds them times x, broadcast, to every row's sums: R FMAs per
     group load. Rows past M repeat row M-1 and are not stored. With a norm, a row's 1/RMS
-    multiplies its sums at the end.
+    multiplies its sums at the end. `block_span`: see tile_sums.
 
     Every output's sum is the same sequence of FMAs whatever R and P are, so a row's result
     does not depend on how many rows share the call (batch invariance). With x in Q8_0 the
@@ -474,15 +485,16 @@ def _tiles(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, items: in
     kb.return_if(u0 >= t.units)
     first = kb.let("first", kb.gid(1) * span)
     with kb.loop("r0", first, minimum(first + span, M), R) as r0:
-        _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4)
+        _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span)
 
 
-def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K, dp4: bool) -> None:
+def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K, dp4: bool,
+               block_span: int) -> None:
     """Rows r0 .. r0+R-1 of the work-item's units (_tiles)."""
     x, w = bufs["x"], bufs["w"]
-    dtype = t.weights[0].type.dtype
+    dtype = t.weights[0].dtype
     k, nb = t.k, t.k // dtype.block_size
-    x_q8 = t.x.type.dtype is DType.Q8_0
+    x_q8 = t.x.dtype is DType.Q8_0
     V = F32.vec(COLS)
     rows = [kb.let(f"xr{r}", cast(I64, minimum(r0 + r, M - 1))) for r in range(R)]
     # the work-item's groups: unit u is group u, or gate group u and up group u + starts[1]
@@ -495,18 +507,17 @@ def _tile_rows(kb: KernelSpec, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K
     norm_at = None
     if t.norm:
         def norm_at(i: K) -> K:
-            return weight_at(t.norm[0].type.dtype, bufs["norm"], const(0), i, k)
+            return weight_at(t.norm[0], bufs["norm"], const(0), i, k)
     q8_x = (x, rows) if x_q8 else None
-    one_row = M.op == "const" and M.arg == 1  # a decode's product, not a prefill's one-row bucket
     tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype,
-              one_row)
+              block_span)
     _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
 
 
-def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
+def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
               x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None = None,
               q8_x: tuple[Buffer, list[K]] | None = None, dp4: bool = False, dtype: DType = DType.Q8_0,
-              one_row: bool = False) -> None:
+              block_span: int = 0) -> None:
     """The inner loops of a CPU tile (dense products and the expert products of kernels/moe.py):
     for blocks 0 .. nb-1 of each group j (its buffer, and the byte of its first block in
     quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r,
@@ -515,12 +526,12 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
     into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first element): exact
     integer block sums, scaled by both scales; with `dp4` (the weights in the dp4 layout) the
     integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers. Another block `dtype`
-    (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, unrolled where the
-    product is `one_row` (a decode's)."""
+    (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, `block_span` elements
+    at a time unrolled (the lowering's, for a decode's product; 0: a loop)."""
     V = F32.vec(COLS)
     G = len(groups)
     if dtype is not DType.Q8_0:
-        _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at, one_row)
+        _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at, block_span)
         return
     if dp4:
         _dp4_tile_sums(kb, groups, nb, acc, R, q8_x)
@@ -549,21 +560,21 @@ def tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: 
                     kb.set(acc[r, j], call("fma", dot[r, j], scale[j] * dx, acc[r, j]))
 
 
-def _block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
-                     x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None, one_row: bool) -> None:
+def _block_tile_sums(kb: KernelBuilder, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
+                     R: int, x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None, block_span: int) -> None:
     """tile_sums over a block type's pack: per block and sub-block, each group's 16 scales and
     offsets decoded once as vectors (the block decoder run lane-wise, access.Cols16Loads), then
     per input index its 16 codes, value = scale * code + offset in ggml's order, and one FMA
     per row and group, as for Q8_0. A product of one row (a decode, where the decoding is the
-    cost) unrolls the lowering's block_span elements here with constant positions, so their
+    cost) unrolls `block_span` elements (the lowering's) here with constant positions, so their
     byte offsets and shifts fold to constants (kir/simplify.py's bit rules) and elements
     sharing a byte share its load; more rows amortise the decoding over the rows, and keep a
     loop, as does a prefill's one-row tile (an unrolled kernel costs seconds of compile time).
     Either way the same FMAs in the same order."""
     fmt = DECODERS[dtype]
     size, words = dtype.block_size, dtype.block_bytes // 2
-    unrolled = one_row and kb.ctx.block_span > 0
-    span = min(size, max(kb.ctx.block_span, fmt.sub)) if unrolled else fmt.sub
+    unrolled = block_span > 0
+    span = min(size, max(block_span, fmt.sub)) if unrolled else fmt.sub
     G = len(groups)
 
     def element(blocks: list[Cols16Loads], scale: list[K], offset: list[K] | None, i: K, pos: K, e: K | int,
@@ -645,11 +656,11 @@ def _inverse_rms(kb: KernelSpec, x: Buffer, start: K, k: int, eps: float, r: int
     return 1.0 / call("sqrt", vsum(ss) / float(k) + float(eps))
 
 
-def _store_tiles(kb: KernelSpec, t: Tiled, M: K, R: int, r0: K, u0: K, slots, acc, inv, bufs) -> None:
+def _store_tiles(kb: KernelBuilder, t: Tiled, M: K, R: int, r0: K, u0: K, slots, acc, inv, bufs) -> None:
     """Each valid row's sums, lane by lane, into the output their group belongs to."""
     lanes = kb.array("lanes", F32, COLS)
     up_lanes = kb.array("up_lanes", F32, COLS) if t.swiglu else None
-    outs, residual = bufs["outs"], bufs.get("residual")
+    outs, residual = [bufs[tile_out(t, i)] for i in range(t.n_outs)], bufs.get("residual")
     for r in range(R):
         scale = inv[r] if inv else None
         for j, (p, m) in enumerate(slots):
@@ -663,7 +674,8 @@ def _store_tiles(kb: KernelSpec, t: Tiled, M: K, R: int, r0: K, u0: K, slots, ac
                     _store_member(kb, t, i, out, r0 + r, u0 + p, lanes, up_lanes, residual)
 
 
-def _store_member(kb: KernelSpec, t: Tiled, i: int, out: Buffer, row: K, unit: K, lanes, up_lanes, residual) -> None:
+def _store_member(kb: KernelBuilder, t: Tiled, i: int, out: Buffer, row: K, unit: K, lanes, up_lanes,
+                  residual) -> None:
     """The lanes of unit `unit` that fall in output i (weight i's groups), masked to its width."""
     first, width = t.starts[i], t.widths[i]
 
@@ -675,7 +687,7 @@ def _store_member(kb: KernelSpec, t: Tiled, i: int, out: Buffer, row: K, unit: K
                 value = value * call_function(SIGMOID, value) * up_lanes[e]
             out[at] = value + residual[at] if residual is not None else value
 
-    if len(t.outs) == 1:
+    if t.n_outs == 1:
         lanes_out()
         return
     with kb.if_((unit >= first) & (unit < first + -(-width // COLS))):

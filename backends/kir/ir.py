@@ -46,7 +46,6 @@ buffers (a u16 or f16 at an even byte of a Q8_0 block).
 """
 from __future__ import annotations
 
-import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -64,7 +63,7 @@ class DT:
 
     @property
     def base(self) -> "DT":
-        return DT(self.scalar)
+        return self if self.lanes == 1 else DT(self.scalar)
 
     @property
     def is_float(self) -> bool:
@@ -157,14 +156,13 @@ class K:
     def __hash__(self) -> int:
         return self._hash
 
-    @functools.cached_property
-    def _hash(self) -> int:  # trees are hashed often (rewrites, dedup): once per node
-        return hash((self.op, self.dtype, self._arg, self.src))
-
-    @functools.cached_property
-    def _arg(self):
-        """The arg as compared: floats by their bits, so -0.0 is not 0.0 and a NaN equals itself."""
-        return _bits(self.arg)
+    def __post_init__(self):
+        # trees are hashed often (rewrites, dedup, the memoised builds): once per node, when
+        # made; the arg as compared: floats by their bits, so -0.0 is not 0.0 and a NaN
+        # equals itself
+        arg = _bits(self.arg)
+        object.__setattr__(self, "_arg", arg)
+        object.__setattr__(self, "_hash", hash((self.op, self.dtype, arg, self.src)))
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(s) for s in self.src)

@@ -9,6 +9,9 @@ import pytest
 from dflash_ir.backends.base import BackendUnavailable, get_backend
 from dflash_ir.backends.kir.c import PRINTERS
 from dflash_ir.backends.kir.ir import walk
+from dflash_ir.artifact import open_pair
+from dflash_ir.backends import lowering
+from dflash_ir.backends.kernels import linalg
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.plan import Plan, compile_expr
 from kernel_cases import CASES, case_graph
@@ -121,6 +124,26 @@ def test_reshape_is_a_view_and_identical_nodes_share_a_kernel():
     exps = [l.kernel for s in plan.steps for l in s.launches if l.kernel.startswith("exp")]
     assert len(exps) == 2 and len(set(exps)) == 1  # same element count: the same kernel
     assert len(plan.kernels) == 2
+
+
+def test_a_product_tree_is_built_once_for_all_layers_as_a_fresh_build_would_be(tiny_pair, monkeypatch):
+    """KernelSpec.emit_memoised: the CPU tiles of a 4-layer decode build each distinct body
+    once, and the memoised plan equals one whose every body is built afresh."""
+    graph = open_pair(*tiny_pair("qwen35", "q8_0")).graphs["target.decode"]
+    built, real = [], linalg._tiles
+
+    def counted(kb, bufs, *key):
+        built.append(key)
+        real(kb, bufs, *key)
+
+    monkeypatch.setattr(linalg, "_tiles", counted)
+    memoised = lower(graph, "cpu")
+    tiles = [l for s in memoised.steps for l in s.launches if l.kernel.startswith("matmul_tiles")]
+    assert len(built) == len(set(built)) < len(tiles)
+    monkeypatch.setattr(lowering, "_memoised_body", lowering._memoised_body.__wrapped__)
+    fresh = lower(graph, "cpu")
+    assert len(built) == len(set(built)) + len(tiles)
+    assert fresh.steps == memoised.steps and fresh.kernels == memoised.kernels
 
 
 def test_weight_only_nodes_are_constant_steps():

@@ -5,6 +5,7 @@ import pytest
 
 from dflash_ir.backends.kir import BOOL, F32, I16, I32, I64, U32, K, KernelBuilder, call, cast, const, dot4_i8, \
     select, var, vsum
+from dflash_ir.backends.kir import build as build_module, simplify as simplify_module
 from dflash_ir.backends.kir.build import binary, free_vars
 from dflash_ir.backends.kir.ir import walk
 
@@ -127,6 +128,16 @@ def test_identical_trees_share_a_name_and_different_ones_do_not():
     assert _tiny().name != _tiny(extra=3.0).name
     assert _tiny().name != _tiny(local=(128,)).name
     assert _tiny().name.startswith("add_")
+
+
+def test_a_tree_built_again_is_not_simplified_again(monkeypatch):
+    build_module._kernel.cache_clear()
+    calls = []
+    real = simplify_module.simplify
+    monkeypatch.setattr(simplify_module, "simplify", lambda tree: calls.append(tree) or real(tree))
+    first, again = _tiny(extra=5.0), _tiny(extra=5.0)
+    assert again is first and len(calls) == 1
+    assert _tiny(extra=-5.0).name != first.name and len(calls) == 2
 
 
 def test_symbol_sizes_become_int_parameters_only_when_used():

@@ -1,5 +1,5 @@
-"""The two model configs, TargetConfig (qwen35 / qwen35moe) and DraftConfig (dflash), read
-from GGUF metadata and the tensor table the way llama.cpp's loader would.
+"""The two model configs, TargetConfig (qwen35 / qwen35moe / llama / qwen3) and DraftConfig
+(dflash), read from GGUF metadata and the tensor table the way llama.cpp's loader would.
 
 A bad file fails here, with the file and the metadata key or tensor named, rather than as a
 shape error deep inside a graph builder: reading is typed (metadata.py), the values are
@@ -98,7 +98,7 @@ class TargetConfig:
     @property
     def permuted_qk(self) -> bool:
         """llama.cpp's converter permutes llama's q/k rows so that its adjacent-pair RoPE
-        matches HF's rotate-half: the graph undoes it per head before a NeoX rotation."""
+        matches HF's rotate-half: the graph ropes adjacent pairs too (ops/position.py)."""
         return self.arch == "llama"
 
     @property

@@ -182,14 +182,14 @@ class TargetBuilder:
                        b.slice(q, axis=2, start=D, stop=2 * D, name="gate"))
         k = b.reshape(rows("attn_k"), shape=(T, Hkv, D))
         v = b.reshape(rows("attn_v"), shape=(T, Hkv, D))
-        if cfg.permuted_qk:
-            q, k = _rotate_half_order(b, q, "q"), _rotate_half_order(b, k, "k")
         if cfg.qk_norm:
             q = b.rmsnorm(q, self._w(b, f"blk.{i}.attn_q_norm.weight"), eps=cfg.rms_eps)
             k = b.rmsnorm(k, self._w(b, f"blk.{i}.attn_k_norm.weight"), eps=cfg.rms_eps)
         rope = dict(n_rot=cfg.n_rot, theta=cfg.rope_theta)
         if cfg.is_hybrid:
             rope.update(sections=tuple(cfg.rope_sections), interleaved=True)
+        if cfg.permuted_qk:  # q and k stay in the file's order, the caches too (scores are dot products)
+            rope.update(pairs="adjacent")
         q = b.rope(q, slot.positions, **rope)
         k = b.rope(k, slot.positions, **rope)
         k_cache = slot.state(b, f"blk.{i}.k_cache", DType.F32, ("C", Hkv, D))
@@ -207,11 +207,3 @@ class TargetBuilder:
     def _swiglu(self, b, x, gate: str, up: str, down: str) -> Value:
         h = b.mul(b.silu(self._linear(b, x, gate)), self._linear(b, x, up), name="swiglu")
         return self._linear(b, h, down)
-
-
-def _rotate_half_order(b: GraphBuilder, x: Value, name: str) -> Value:
-    """Undo llama.cpp's llama q/k row permutation on [T, heads, D] projections: the file's
-    head dim d = 2i + s holds HF's dim s * D/2 + i, so [.., D/2, 2] -> [.., 2, D/2]."""
-    T, heads, D = x.type.shape
-    pairs = b.reshape(x, shape=(T, heads, D // 2, 2))
-    return b.reshape(b.transpose(pairs, perm=(0, 1, 3, 2)), shape=(T, heads, D), name=f"{name}_hf")

@@ -227,6 +227,8 @@ case("rope_partial", T=5)(lambda c: c.out(c.b.rope(c.x("x", ("T", 3, 32)), c.int
                                                      n_rot=16, theta=1e7)))
 case("rope_sections", T=4)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 32)), c.ints("pos", ("T", 4), 500),
                                                       n_rot=24, theta=1e4, sections=(6, 3, 3))))
+case("rope_adjacent_partial", T=3)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 32)), c.ints("pos", ("T",), 9000),
+                                                              n_rot=24, theta=1e4, pairs="adjacent")))
 case("rope_interleaved", T=4)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 32)), c.ints("pos", ("T",), 4000),
                                                          n_rot=8, theta=1e7, sections=(2, 1, 1, 0), interleaved=True)))
 
@@ -366,12 +368,13 @@ case("repeat_interleave", T=2)(lambda c: c.out(c.b.repeat(c.x("x", ("T", 3, 4)),
 def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d: int = 16, dv: int = 16,
                      rows: str | int = "T", pos: int = 6, past: int = 0, n_rot: int = 8, sections: tuple = (),
                      interleaved: bool = False, positions_rank: int = 1, causal: bool | None = None, window: int = 0,
-                     read_old: bool = False, prefill: bool = False):
+                     read_old: bool = False, prefill: bool = False, pairs: str = "halves", normed: bool = True):
     """The layer over caches filled to `pos`; `rows` "T" (a verify or block: a symbol) or 1
     (a decode: static); kv_len = pos + T + `past` (cache rows past the new ones, read from the
     cache); M-RoPE with `sections` (positions [T, 4] when `positions_rank` is 2); with
     `read_old` the graph also reads the caches as they were (the layer writes a copy); `prefill`:
-    the prefill variant (its new rows written to the caches by a launch of their own)."""
+    the prefill variant (its new rows written to the caches by a launch of their own); without
+    `normed` no q/k norm (llama's layers)."""
     def make(c: CaseBuilder) -> None:
         t = c.bindings["T"] if rows == "T" else rows
         q = c.x("q", (rows, hq, d + dv if gated else d))
@@ -382,9 +385,11 @@ def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d
         else:
             c.inputs["positions"] = np.arange(pos, pos + t, dtype=np.int32)
             positions = c.b.input("positions", I32, (rows,))
-        res = c.b.fused_attention(q, k, v, c.w("q_norm", (d,)), c.w("k_norm", (d,)), positions, c.scalar("pos", pos),
-                                  c.scalar("kv_len", pos + t + past), k_cache, v_cache, eps=1e-6, n_rot=n_rot,
-                                  theta=1e6, sections=sections, interleaved=interleaved, scale=d ** -0.5,
+        norms = (c.w("q_norm", (d,)), c.w("k_norm", (d,))) if normed else ()
+        res = c.b.fused_attention(q, k, v, *norms, positions, c.scalar("pos", pos),
+                                  c.scalar("kv_len", pos + t + past), k_cache, v_cache, eps=1e-6 if normed else None,
+                                  n_rot=n_rot,
+                                  theta=1e6, sections=sections, interleaved=interleaved, pairs=pairs, scale=d ** -0.5,
                                   causal=persist if causal is None else causal, window=window, gated=gated,
                                   persist=persist, variant="prefill" if prefill else "decode" if rows == 1 else "block")
         if persist:
@@ -407,6 +412,17 @@ case("fused_attention_window_sections_d40", T=6, C=40)(
     _fused_attention(False, True, d=40, dv=40, pos=30, n_rot=12, sections=(2, 2, 2), positions_rank=2, window=9))
 case("fused_attention_block_cache_past_new_rows", T=4, C=20)(  # keys on both sides of the new rows
     _fused_attention(True, False, hq=6, hkv=3, pos=5, past=7))
+case("fused_attention_adjacent_pairs", T=3, C=16)(_fused_attention(False, True, pos=4, n_rot=12, pairs="adjacent"))
+case("fused_attention_decode_adjacent_pairs", C=16)(_fused_attention(True, True, rows=1, pos=9, pairs="adjacent"))
+# llama's layer: no q/k norms, adjacent pairs, RoPE over the whole head
+case("fused_attention_no_norms", T=5, C=16)(_fused_attention(False, True, hq=6, hkv=2, n_rot=16, pairs="adjacent",
+                                                             normed=False))
+case("fused_attention_decode_no_norms", C=16)(_fused_attention(False, True, rows=1, pos=9, n_rot=16, pairs="adjacent",
+                                                               normed=False))
+case("fused_attention_prefill_no_norms", T=18, C=24)(_fused_attention(False, True, pos=2, n_rot=16, pairs="adjacent",
+                                                                      normed=False, prefill=True))
+case("fused_attention_block_no_norms", T=4, C=12)(_fused_attention(False, False, n_rot=16, pairs="adjacent",
+                                                                   normed=False))
 case("fused_attention_persist_copy", T=3, C=12)(_fused_attention(False, True, read_old=True))
 case("fused_attention_prefill_gated_gqa4", T=21, C=40)(_fused_attention(True, True, hq=8, hkv=2, pos=3, prefill=True))
 case("fused_attention_prefill_window_copy", T=9, C=24)(

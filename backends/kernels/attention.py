@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dflash_ir.ir import Value
+from dflash_ir.ops.fused import ATTENTION_INPUTS, attention_inputs
 from dflash_ir.ops.position import frequency_components, inv_freq_f32
 from dflash_ir.types import Dim
 
@@ -45,6 +46,7 @@ from ..kir import F32, I32, I64, K, call, call_function, cast, const, maximum, m
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import SIGMOID, read, weight_at, write
+from .position import RotaryPairs
 from .shapes import FLAT, cdiv, flat_index, prod
 
 THREADS = 64         # GPU: threads of a (row, head) work-group
@@ -94,6 +96,7 @@ class _Rope:
     def __init__(self, kb: KernelSpec, attr: dict, positions: Buffer, pos_value: Value):
         self.n_rot = attr["n_rot"]
         self.half = self.n_rot // 2
+        self.pairs = RotaryPairs(self.n_rot, attr.get("pairs", "halves"))
         inv_freq = inv_freq_f32(self.n_rot, attr["theta"])
         comps = frequency_components(self.half, tuple(attr.get("sections", ())), attr.get("interleaved", False))
         self.positions = positions
@@ -110,24 +113,29 @@ class _Rope:
 
     @staticmethod
     def rotate(lo: K, hi: K, c: K, s: K) -> tuple[K, K]:
-        """The NeoX pair (i, i + n_rot/2) rotated by the angle whose cos and sin are c, s."""
+        """A pair (`pairs`' dims of a frequency) rotated by the angle whose cos and sin are c, s."""
         return lo * c - hi * s, hi * c + lo * s
 
 
 class _Projection:
     """Rows [T, heads, width] of a q or k projection as the layer uses them: the first d of
-    each head rmsnorm'd with `norm` and roped at the row's position."""
+    each head rmsnorm'd with `norm` (not without one: eps None) and roped at the row's
+    position."""
 
-    def __init__(self, buf: Buffer, heads: int, width: Dim, d: Dim, norm: Buffer, norm_value: Value, eps: float,
-                 rope: _Rope):
+    def __init__(self, buf: Buffer, heads: int, width: Dim, d: Dim, norm: Buffer | None, norm_value: Value | None,
+                 eps: float | None, rope: _Rope):
         self.buf, self.heads, self.width, self.d = buf, heads, width, d
-        self.norm, self.norm_dtype, self.eps, self.rope = norm, norm_value.type.dtype, eps, rope
+        self.norm, self.eps, self.rope = norm, eps, rope
+        self.norm_dtype = None if norm_value is None else norm_value.type.dtype
 
     def start(self, row: K, head: K) -> K:
         return _head_start(row, self.heads, head, self.width)
 
-    def inv_rms(self, kb: KernelSpec, start: K, name: str) -> K:
-        """1 / sqrt(mean(x²) + eps) of the d values from `start`, as LANES-wide partial sums."""
+    def inv_rms(self, kb: KernelSpec, start: K, name: str) -> K | None:
+        """1 / sqrt(mean(x²) + eps) of the d values from `start`, as LANES-wide partial sums
+        (None without a norm)."""
+        if self.eps is None:
+            return None
         d = self.d
         lanes = _lanes(d)
         ss = kb.let(f"{name}_ss", cast(F32.vec(lanes), 0.0))
@@ -138,8 +146,10 @@ class _Projection:
         mean = total / (float(d) if isinstance(d, int) else cast(F32, dim(d)))
         return kb.let(f"{name}_r", 1.0 / call("sqrt", mean + float(self.eps)))
 
-    def normed(self, start: K, r: K, e: K) -> K:
-        """Element e of the rmsnorm'd row: the rmsnorm op's (x * r) * w."""
+    def normed(self, start: K, r: K | None, e: K) -> K:
+        """Element e of the rmsnorm'd row: the rmsnorm op's (x * r) * w (x without a norm)."""
+        if r is None:
+            return self.buf[start + e]
         return (self.buf[start + e] * r) * weight_at(self.norm_dtype, self.norm, const(0), e, self.d)
 
     def row(self, kb: KernelSpec, row: K, start: K, r: K, store: Callable[[K, K], None]) -> None:
@@ -149,10 +159,11 @@ class _Projection:
         with kb.loop("i", 0, rope.half) as i:
             angle = kb.let("angle", rope.angle(row, i))
             c, s = kb.let("cs", call("cos", angle)), kb.let("sn", call("sin", angle))
-            lo, hi = kb.let("xlo", self.normed(start, r, i)), kb.let("xhi", self.normed(start, r, i + rope.half))
+            first, second = rope.pairs.dims(i)
+            lo, hi = kb.let("xlo", self.normed(start, r, first)), kb.let("xhi", self.normed(start, r, second))
             x, y = rope.rotate(lo, hi, c, s)
-            store(i, x)
-            store(i + rope.half, y)
+            store(first, x)
+            store(second, y)
         if not (isinstance(self.d, int) and rope.n_rot == self.d):
             with kb.loop("e", rope.n_rot, dim(self.d)) as e:
                 store(e, self.normed(start, r, e))
@@ -163,12 +174,14 @@ class _Projection:
         rope = self.rope
         value = kb.declare("rv", F32)
         with kb.if_(e < rope.n_rot):
-            i = kb.let("ri", select(e < rope.half, e, e - rope.half))
+            frequency, is_first = rope.pairs.of(e)
+            i = kb.let("ri", frequency)
             angle = kb.let("angle", rope.angle(row, i))
             c, s = kb.let("cs", call("cos", angle)), kb.let("sn", call("sin", angle))
-            lo, hi = kb.let("xlo", self.normed(start, r, i)), kb.let("xhi", self.normed(start, r, i + rope.half))
+            first, second = rope.pairs.dims(i)
+            lo, hi = kb.let("xlo", self.normed(start, r, first)), kb.let("xhi", self.normed(start, r, second))
             x, y = rope.rotate(lo, hi, c, s)
-            kb.set(value, select(e < rope.half, x, y))
+            kb.set(value, select(is_first, x, y))
         with kb.else_():
             kb.set(value, self.normed(start, r, e))
         return value
@@ -196,13 +209,15 @@ class _Attention:
         self.persist = self.gated = False
         self.fresh = False  # keys [pos, pos + T) made from the k projection (else read from the cache)
 
-    def layer(self, k: Buffer, v: Buffer, q_norm: Buffer | None, k_norm: Buffer, norm_values: tuple[Value, Value],
-              positions: Buffer, pos_value: Value, pos: Buffer, attr: dict, keys_from_cache: bool = False) -> None:
-        """The fused layer around the attention; `keys_from_cache`: the new rows are already in
-        the caches (a prefill's first launch wrote them), so they are read there, not made."""
+    def layer(self, k: Buffer, v: Buffer, q_norm: Buffer | None, k_norm: Buffer | None,
+              norm_values: tuple[Value | None, Value | None], positions: Buffer, pos_value: Value, pos: Buffer,
+              attr: dict, keys_from_cache: bool = False) -> None:
+        """The fused layer around the attention (q and k normed unless eps is None);
+        `keys_from_cache`: the new rows are already in the caches (a prefill's first launch
+        wrote them), so they are read there, not made."""
         kb = self.kb
         rope = _Rope(kb, attr, positions, pos_value)
-        eps = float(attr["eps"])
+        eps = None if attr["eps"] is None else float(attr["eps"])
         self.q_proj = _Projection(self.q, self.H, self.q_width, self.D, q_norm, norm_values[0], eps, rope)
         self.k_proj = _Projection(k, self.Hkv, self.D, self.D, k_norm, norm_values[1], eps, rope)
         self.v = v
@@ -651,8 +666,10 @@ def fused_attention(ctx: NodeCtx) -> None:
     (`variant`) is two: its new K and V rows into the caches first, so that a query does not
     norm and rope every earlier new key again (O(T²) for T rows), then the attention over
     the caches alone."""
-    q, _, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_cache = ctx.ins
     a = ctx.attr
+    x = attention_inputs(ctx.ins, a["eps"])
+    q, v, positions, pos, kv_len, k_cache, v_cache = (x[n] for n in ("q", "v", "positions", "pos", "kv_len",
+                                                                    "k_cache", "v_cache"))
     rows, cap = q.type.shape[0], k_cache.type.shape[0]
     causal, window = a.get("causal", True), a.get("window", 0)
     ctx.check("kv_write", pos, size=dim(cap), rows=dim(rows))
@@ -669,17 +686,16 @@ def fused_attention(ctx: NodeCtx) -> None:
         """The layer's kernel `op`: writing the new rows (the prefill's first launch), or the
         attention with its q side (and with the new rows, unless they are already written)."""
         kb = _kernel(ctx, op)
-        names = ("q", "k", "v", "q_norm", "k_norm", "positions", "pos", "kv_len")
-        used = ("k", "v", "k_norm", "positions", "pos") if writes_rows else names
-        b = {name: kb.bind(name, x) for name, x in zip(names, ctx.ins[:8]) if name in used}
+        used = ("k", "v", "k_norm", "positions", "pos") if writes_rows else ATTENTION_INPUTS[:8]
+        b = {name: kb.bind(name, value) for name, value in x.items() if name in used}
         k_buf, v_buf = (kb.bind(name, c, writes=persist and (writes_rows or not split))
                         for name, c in zip(("k_cache", "v_cache"), caches))
         out = None if writes_rows else kb.bind("out", ctx.outs[0], writes=True)
         kernel = _Attention(kb, q=b.get("q"), q_value=q, k_cache=k_buf, v_cache=v_buf, cache=k_cache,
                             dv=v.type.shape[2], kv_len=b.get("kv_len"), out=out, scale=a["scale"], causal=causal,
                             window=window)
-        kernel.layer(b["k"], b["v"], b.get("q_norm"), b["k_norm"], (q_norm, k_norm), b["positions"], positions,
-                     b["pos"], a, keys_from_cache=split and not writes_rows)
+        kernel.layer(b["k"], b["v"], b.get("q_norm"), b.get("k_norm"), (x.get("q_norm"), x.get("k_norm")),
+                     b["positions"], positions, b["pos"], a, keys_from_cache=split and not writes_rows)
         return kernel
 
     if split:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
+from dflash_ir.ops.fused import attention_inputs
 from dflash_ir.types import TensorType
 
 from .lowering import TVMNodeCtx, lowers
@@ -90,13 +91,19 @@ def kv_write(ctx: TVMNodeCtx) -> None:
 
 
 def attention_prologue(ctx: TVMNodeCtx) -> tuple[Value, Value]:
-    """q and k of a fused_attention node after their rmsnorm and rope (q without its gate half)."""
-    q, k, _, q_norm, k_norm, positions = ctx.ins[:6]
+    """q and k of a fused_attention node after their rmsnorm (none with eps None) and rope (q
+    without its gate half)."""
     a = ctx.attr
-    rope = {n: a[n] for n in ("n_rot", "theta", "sections", "interleaved") if n in a}
+    x = attention_inputs(ctx.ins, a["eps"])
+    q, k = x["q"], x["k"]
+    rope = {n: a[n] for n in ("n_rot", "theta", "sections", "interleaved", "pairs") if n in a}
     q_part = ctx.sub("slice", q, axis=2, start=0, stop=k.type.shape[2]) if a.get("gated") else q
-    return tuple(ctx.sub("rope", ctx.sub("rmsnorm", x, norm, eps=a["eps"]), positions, **rope)
-                 for x, norm in ((q_part, q_norm), (k, k_norm)))
+
+    def normed(value: Value, norm: str) -> Value:
+        return value if a["eps"] is None else ctx.sub("rmsnorm", value, x[norm], eps=a["eps"])
+
+    return tuple(ctx.sub("rope", normed(value, norm), x["positions"], **rope)
+                 for value, norm in ((q_part, "q_norm"), (k, "k_norm")))
 
 
 def attention_epilogue(ctx: TVMNodeCtx, o: Value) -> None:
@@ -115,8 +122,9 @@ def attention_epilogue(ctx: TVMNodeCtx, o: Value) -> None:
 def fused_attention(ctx: TVMNodeCtx) -> None:
     """rmsnorm + rope of q and k, the cache writes (in place with `persist`, else into
     per-node copies of the caches), attention, then the optional sigmoid output gate."""
-    q, k, v, _, _, _, pos, kv_len, k_cache, v_cache = ctx.ins
     a = ctx.attr
+    x = attention_inputs(ctx.ins, a["eps"])
+    q, v, pos, kv_len, k_cache, v_cache = (x[n] for n in ("q", "v", "pos", "kv_len", "k_cache", "v_cache"))
     rows, heads = q.type.shape[:2]
     q_rot, k_rot = attention_prologue(ctx)
     o = ctx.temp(TensorType(DType.F32, (rows, heads, v.type.shape[2])))

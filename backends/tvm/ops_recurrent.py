@@ -40,7 +40,11 @@ def rope(ctx: TVMNodeCtx) -> None:
     theta = float(np.float64(np.float32(ctx.attr["theta"])))
     components = frequency_components(half, tuple(ctx.attr.get("sections", ())), ctx.attr.get("interleaved", False))
     D, H = dim(d), dim(h)
-    j = f"T.if_then_else(dd < {half}, dd, dd - {half})"
+    if ctx.attr.get("pairs", "halves") == "adjacent":  # ops/position.py: pairs (2j, 2j + 1)
+        j, first, second, is_first = "(dd // 2)", "(dd // 2) * 2", "(dd // 2) * 2 + 1", "dd % 2 == 0"
+    else:  # pairs (j, j + n_rot/2)
+        j = f"T.if_then_else(dd < {half}, dd, dd - {half})"
+        first, second, is_first = j, f"{j} + {half}", f"dd < {half}"
     inv_freq = (f'(T.float32(1) / T.Cast("float32", T.pow(T.float64({theta!r}), '
                 f'T.Cast("float64", T.Cast("float32", 2 * {j}) / T.float32({n_rot})))))')
     if pos.type.rank == 2:
@@ -50,8 +54,8 @@ def rope(ctx: TVMNodeCtx) -> None:
     angle = f'T.Cast("float64", T.Cast("float32", {position}) * {inv_freq})'
     c, s = f'T.Cast("float32", T.cos({angle}))', f'T.Cast("float32", T.sin({angle}))'
     base = f"(ti * {H} + hi) * {D}"
-    lo, hi = f"x[{base} + {j}]", f"x[{base} + {j} + {half}]"
-    value = (f"T.if_then_else(dd >= {n_rot}, x[{base} + dd], T.if_then_else(dd < {half}, {lo} * {c} - {hi} * {s}, "
+    lo, hi = f"x[{base} + {first}]", f"x[{base} + {second}]"
+    value = (f"T.if_then_else(dd >= {n_rot}, x[{base} + dd], T.if_then_else({is_first}, {lo} * {c} - {hi} * {s}, "
              f"{hi} * {c} + {lo} * {s}))")
     ctx.kernel("rope", [("x", x, False), ("pos", pos, False), ("out", ctx.outs[0], True)],
                block([("ti", dim(t)), ("hi", H), ("dd", D)], f"out[{base} + dd] = {value}"))

@@ -6,6 +6,8 @@ a fused op is tested against this reference like any other.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from ..dtypes import DType
@@ -38,8 +40,27 @@ def _infer(op: str, *inputs: TensorType, **attrs) -> tuple[TensorType, ...]:
     return get_op(op).output_types(inputs, attrs)
 
 
-def _fused_attention_rule(q, k, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_cache, *, eps, n_rot, theta,
-                          sections, interleaved, scale, causal, window, gated, persist, variant):
+ATTENTION_INPUTS = ("q", "k", "v", "q_norm", "k_norm", "positions", "pos", "kv_len", "k_cache", "v_cache")
+
+
+def attention_input_names(normed: bool) -> tuple[str, ...]:
+    """fused_attention's inputs: q_norm and k_norm are there only when q and k are normalised
+    (`eps` not None; llama's layers have no q/k norm)."""
+    return ATTENTION_INPUTS if normed else tuple(n for n in ATTENTION_INPUTS if n not in ("q_norm", "k_norm"))
+
+
+def attention_inputs(inputs: Sequence, eps) -> dict:
+    """fused_attention's inputs by name (attention_input_names)."""
+    names = attention_input_names(eps is not None)
+    check(len(inputs) == len(names), f"takes {len(names)} inputs ({', '.join(names)}) with eps={eps}, "
+                                     f"got {len(inputs)}")
+    return dict(zip(names, inputs))
+
+
+def _fused_attention_rule(*inputs, eps, n_rot, theta, sections, interleaved, pairs, scale, causal, window, gated,
+                          persist, variant):
+    x = attention_inputs(inputs, eps)
+    q, k, v, positions = x["q"], x["k"], x["v"], x["positions"]
     expect_rank("q", q, 3)
     expect_rank("k", k, 3)
     expect_rank("v", v, 3)
@@ -50,34 +71,44 @@ def _fused_attention_rule(q, k, v, q_norm, k_norm, positions, pos, kv_len, k_cac
     bool_attr("persist", persist)
     choice_attr("variant", variant, VARIANTS)
     q_part = TensorType(q.dtype, q.shape[:2] + (k.shape[2],))
-    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved)
-    (q_rot,) = _infer("rope", *_infer("rmsnorm", q_part, q_norm, eps=eps), positions, **rope_attrs)
-    (k_rot,) = _infer("rope", *_infer("rmsnorm", k, k_norm, eps=eps), positions, **rope_attrs)
-    (k_all,) = _infer("kv_write", k_cache, k_rot, pos)
-    (v_all,) = _infer("kv_write", v_cache, v, pos)
-    (o,) = _infer("attention", q_rot, k_all, v_all, kv_len, scale=scale, causal=causal, window=window)
+    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved, pairs=pairs)
+
+    def normed(t: TensorType, norm: str) -> TensorType:
+        return t if eps is None else _infer("rmsnorm", t, x[norm], eps=eps)[0]
+
+    (q_rot,) = _infer("rope", normed(q_part, "q_norm"), positions, **rope_attrs)
+    (k_rot,) = _infer("rope", normed(k, "k_norm"), positions, **rope_attrs)
+    (k_all,) = _infer("kv_write", x["k_cache"], k_rot, x["pos"])
+    (v_all,) = _infer("kv_write", x["v_cache"], v, x["pos"])
+    (o,) = _infer("attention", q_rot, k_all, v_all, x["kv_len"], scale=scale, causal=causal, window=window)
     check(isinstance(o.shape[1], int) and isinstance(o.shape[2], int), f"heads and head dim of {o} must be ints")
     out = f32((o.shape[0], o.shape[1] * o.shape[2]))
     return (out, k_all, v_all) if persist else out
 
 
 @defop("fused_attention", _fused_attention_rule)
-def fused_attention(q, k, v, q_norm, k_norm, positions, pos, kv_len, k_cache, v_cache, *, eps, n_rot, theta,
-                    sections=(), interleaved=False, scale, causal=True, window=0, gated=False, persist=True,
-                    variant="prefill"):
-    """One attention layer: rmsnorm + RoPE of q and k, k and v written into the caches at
+def fused_attention(*inputs, eps, n_rot, theta, sections=(), interleaved=False, pairs="halves", scale, causal=True,
+                    window=0, gated=False, persist=True, variant="prefill"):
+    """One attention layer on ATTENTION_INPUTS: rmsnorm (with eps; none with eps None and
+    no q_norm, k_norm inputs) + RoPE of q and k, k and v written into the caches at
     `pos`, softmax attention over the first kv_len rows, heads flattened to [T, H*Dv], and
     with `gated` o * sigmoid(gate) where q is [T, H, D + Dv] holding [q_h | gate_h] per head.
     Returns (o, k_cache', v_cache') with `persist`, else o alone (the draft block: its K/V
     live past the cache length for this call only). `variant` (decode: T=1, block: a
     verify or draft block of a few rows, prefill: long) picks a kernel, not the math."""
+    x = attention_inputs(inputs, eps)
+    q, k, v, positions, pos = x["q"], x["k"], x["v"], x["positions"], x["pos"]
     d = k.shape[2]
     q_part = q[..., :d] if gated else q
-    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved)
-    q_rot = rope(rmsnorm(q_part, q_norm, eps=eps), positions, **rope_attrs)
-    k_all = kv_write(k_cache, rope(rmsnorm(k, k_norm, eps=eps), positions, **rope_attrs), pos)
-    v_all = kv_write(v_cache, v, pos)
-    o = attention(q_rot, k_all, v_all, kv_len, scale=scale, causal=causal, window=window)
+    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved, pairs=pairs)
+
+    def normed(a: np.ndarray, norm: str) -> np.ndarray:
+        return a if eps is None else rmsnorm(a, x[norm], eps=eps)
+
+    q_rot = rope(normed(q_part, "q_norm"), positions, **rope_attrs)
+    k_all = kv_write(x["k_cache"], rope(normed(k, "k_norm"), positions, **rope_attrs), pos)
+    v_all = kv_write(x["v_cache"], v, pos)
+    o = attention(q_rot, k_all, v_all, x["kv_len"], scale=scale, causal=causal, window=window)
     o = o.reshape(o.shape[0], -1)
     if gated:
         o = np.asarray(o * sigmoid_f32(q[..., d:].reshape(o.shape)))

@@ -1,4 +1,9 @@
-"""Rotary position embedding: partial NeoX RoPE, plus multi-section (M-RoPE / Qwen3.5 IMROPE).
+"""Rotary position embedding: partial RoPE, plus multi-section (M-RoPE / Qwen3.5 IMROPE).
+
+Which dims rotate together (`pairs`): "halves", NeoX's (i, i + n_rot/2), as HF and Qwen run
+it; "adjacent", (2i, 2i + 1), llama.cpp's mode for `llama` files, whose converter permuted
+the q and k rows so that adjacent pairs of the file are HF's rotate-half pairs (the file's
+dim 2i + s holds HF's s * n_rot/2 + i). Frequency i drives pair i either way.
 
 Precision: the angle is formed the way HF forms it, so our logits track HF's: inv_freq is
 float32 (theta^(2i/n_rot) rounded to f32, then an f32 reciprocal) and angle = f32(pos) *
@@ -14,13 +19,17 @@ import numpy as np
 
 from ..dtypes import DType
 from ..types import TensorType
-from .rules import bool_attr, check, defop, expect_dtype, expect_rank, expect_same, int_attr, ints_attr, number_attr
+from .rules import (bool_attr, check, choice_attr, defop, expect_dtype, expect_rank, expect_same, int_attr, ints_attr,
+                    number_attr)
 
 F32 = np.float32
 _COMPONENTS = 3  # t, h, w
 
 
-def _rope_rule(x: TensorType, pos: TensorType, *, n_rot, theta, sections, interleaved) -> TensorType:
+PAIRS = ("halves", "adjacent")
+
+
+def _rope_rule(x: TensorType, pos: TensorType, *, n_rot, theta, sections, interleaved, pairs) -> TensorType:
     expect_dtype("x", x, DType.F32)
     expect_rank("x", x, 3)
     expect_dtype("pos", pos, DType.I32)
@@ -33,6 +42,7 @@ def _rope_rule(x: TensorType, pos: TensorType, *, n_rot, theta, sections, interl
     check(number_attr("theta", theta) > 0, f"theta must be positive, got {theta}")
     sections = ints_attr("sections", sections)
     bool_attr("interleaved", interleaved)
+    choice_attr("pairs", pairs, PAIRS)
     if sections:
         check(len(sections) in (3, 4) and not any(sections[_COMPONENTS:]),
               f"sections must be (t, h, w) or (t, h, w, 0), got {sections}")
@@ -68,11 +78,17 @@ def frequency_components(half: int, sections: tuple[int, ...], interleaved: bool
     return component
 
 
+def pair_dims(n_rot: int, pairs: str) -> tuple[slice, slice]:
+    """The dims of each pair's first and second element, frequency by frequency."""
+    return (slice(0, n_rot, 2), slice(1, n_rot, 2)) if pairs == "adjacent" else \
+        (slice(0, n_rot // 2), slice(n_rot // 2, n_rot))
+
+
 @defop("rope", _rope_rule)
-def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False):
-    """NeoX rotation of pairs (i, i + n_rot/2) over the first n_rot dims of each head, the
-    rest passed through. pos i32[T] (same position for every component) or i32[T, S]
-    (components t, h, w first) with `sections`."""
+def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False, pairs="halves"):
+    """Rotation of `pairs` over the first n_rot dims of each head, the rest passed through.
+    pos i32[T] (same position for every component) or i32[T, S] (components t, h, w first)
+    with `sections`."""
     half = n_rot // 2
     components = frequency_components(half, tuple(sections), interleaved)
     per_component = pos if pos.ndim == 2 else np.broadcast_to(pos[:, None], (len(pos), _COMPONENTS))
@@ -80,8 +96,9 @@ def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False):
     angle = positions.astype(F32) * inv_freq_f32(n_rot, theta)
     cos = np.cos(angle.astype(np.float64)).astype(F32)[:, None, :]
     sin = np.sin(angle.astype(np.float64)).astype(F32)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:n_rot]
+    first, second = pair_dims(n_rot, pairs)
+    x1, x2 = x[..., first], x[..., second]
     y = x.copy()
-    y[..., :half] = x1 * cos - x2 * sin
-    y[..., half:n_rot] = x2 * cos + x1 * sin
+    y[..., first] = x1 * cos - x2 * sin
+    y[..., second] = x2 * cos + x1 * sin
     return y

@@ -64,12 +64,16 @@ def test_bad_dense_files_are_refused_by_name(tmp_path, arch, edit, message):
 @pytest.mark.parametrize("arch", DENSE)
 def test_passes_keep_logits_and_fuse_what_the_kernels_fuse(tmp_path, arch):
     """The optimised graphs compute what the unoptimised ones do, bit for bit (the
-    interpreter on both); qwen3's attention (q/k norms, NeoX RoPE) becomes one
-    fused_attention per layer."""
+    interpreter on both); the attention becomes one fused_attention per layer: qwen3's with
+    its q/k norms and NeoX RoPE, llama's without norms, RoPE on adjacent pairs."""
     path = _write(tmp_path, arch)
     plain, fused = (open_pair(path, taps=(1, 2), opt_level=level) for level in (0, 2))
-    ops = collections.Counter(n.op for n in fused.graphs["target.verify"].nodes)
-    assert (ops["fused_attention"], ops["attention"]) == ((4, 0) if arch == "qwen3" else (0, 4))
+    nodes = fused.graphs["target.verify"].nodes
+    ops = collections.Counter(n.op for n in nodes)
+    assert (ops["fused_attention"], ops["attention"], ops["rope"], ops["transpose"]) == (4, 0, 0, 0)
+    layer = next(n for n in nodes if n.op == "fused_attention")
+    assert (layer.attr["eps"] is None, layer.attr["pairs"]) == ((False, "halves") if arch == "qwen3" else
+                                                              (True, "adjacent"))
     rows = np.arange(len(PROMPT), dtype=np.int32)
     for name, graph in plain.graphs.items():
         ids = PROMPT[:1] if name == "target.decode" else PROMPT

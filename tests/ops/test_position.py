@@ -45,6 +45,18 @@ def test_neox_pairs_over_the_first_n_rot_dims():
     np.testing.assert_array_equal(out[0], x[0])  # position 0 is the identity
 
 
+@pytest.mark.parametrize("n_rot", [6, 10])
+def test_adjacent_pairs_are_halves_on_llama_cpps_permuted_rows(n_rot):
+    """llama.cpp's converter stores HF dim s * n_rot/2 + i of a head at dim 2i + s; rotating
+    adjacent pairs of that order is the NeoX rotation of HF's order, bit for bit."""
+    x = rng.standard_normal((3, 2, 10)).astype(F)
+    half = n_rot // 2
+    stored = [s * half + i for i in range(half) for s in (0, 1)] + list(range(n_rot, 10))
+    positions = np.array([0, 5, 900], np.int32)
+    adjacent = rope(x[..., stored], positions, n_rot=n_rot, theta=1e4, pairs="adjacent")
+    np.testing.assert_array_equal(adjacent, rope(x, positions, n_rot=n_rot, theta=1e4)[..., stored])
+
+
 def test_one_row_full_rotation():
     x = rng.standard_normal((1, 1, 4)).astype(F)
     out = rope(x, np.array([2], np.int32), n_rot=4, theta=1e7)

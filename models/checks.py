@@ -48,6 +48,12 @@ def check_target(cfg: TargetConfig, source: str) -> None:
         )
     _check_heads_and_rope(cfg, source)
     _check_at_most(cfg, source, "context_length", MAX_POSITIONS, "positions are 32-bit")
+    if cfg.rope_freq_factors and (cfg.is_hybrid or len(cfg.rope_freq_factors) != cfg.n_rot // 2 or
+                                  not all(math.isfinite(x) and x > 0 for x in cfg.rope_freq_factors)):
+        shown = ", ".join(f"{x:g}" for x in cfg.rope_freq_factors[:6])
+        raise ModelConfigError(f"{source}: tensor rope_freqs.weight must hold n_rot/2 = {cfg.n_rot // 2} positive "
+                               f"finite factors (llama and qwen3 targets only); this {cfg.arch} file has "
+                               f"{len(cfg.rope_freq_factors)}: {shown}{', ...' if len(cfg.rope_freq_factors) > 6 else ''}")
     if not cfg.is_hybrid:
         if cfg.permuted_qk and cfg.n_rot != cfg.head_dim:
             raise _field_error(cfg, source, "n_rot", f"= {cfg.n_rot} must equal the head size {cfg.head_dim}: "

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from .checks import check_draft, check_layer_count, check_target
 from .gguf_file import GGUFFile
 from .metadata import (
@@ -27,10 +29,11 @@ from .metadata import (
     check_arch,
     read_mask_id,
 )
+from .tensors import FLOAT_DTYPES
 
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default when the key is absent
-DEFAULT_ROPE_THETA = 10000.0
-ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1 rope scaling as llama.cpp's converter writes it  # llama.cpp's rope.freq_base when the key is absent
+DEFAULT_ROPE_THETA = 10000.0  # llama.cpp's rope.freq_base when the key is absent
+ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1 rope scaling as llama.cpp's converter writes it
 
 
 def interval_pattern(n_layer: int, interval: int) -> tuple[bool, ...]:
@@ -74,6 +77,7 @@ class TargetConfig:
     tied_output: bool = True
     context_length: int = 262144
     n_nextn: int = 0
+    rope_freq_factors: tuple[float, ...] = ()  # Llama 3 RoPE scaling: tensor rope_freqs.weight
     role: ClassVar[str] = "target"
 
     @property
@@ -154,10 +158,8 @@ class TargetConfig:
         embd = f.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelConfigError(f"{source}: tensor token_embd.weight is missing (it gives the vocabulary size)")
-        if ROPE_FACTORS in f.tensors:
-            raise ModelConfigError(f"{source}: tensor {ROPE_FACTORS} (Llama 3 RoPE frequency scaling) is not supported")
         cfg = cls.from_metadata(f.metadata, vocab_size=embd.shape[0], tied_output="output.weight" not in f.tensors,
-                                source=source, tensor_names=f.tensors)
+                                source=source, tensor_names=f.tensors, rope_freq_factors=_rope_factors(f, source))
         tokens = f.metadata.get("tokenizer.ggml.tokens")
         if tokens is not None and len(tokens) != cfg.vocab_size:
             raise ModelConfigError(
@@ -169,10 +171,11 @@ class TargetConfig:
     @classmethod
     def from_metadata(
         cls, meta: Mapping[str, Any], *, vocab_size: int, tied_output: bool, source: str = "<metadata>",
-        tensor_names: Iterable[str] | None = None,
+        tensor_names: Iterable[str] | None = None, rope_freq_factors: tuple[float, ...] = (),
     ) -> TargetConfig:
-        """Config from a metadata dict (what `from_gguf` reads); with the file's `tensor_names`,
-        the layer count is checked against them before anything per layer is built."""
+        """Config from a metadata dict (what `from_gguf` reads, with the values of its
+        rope_freqs.weight); with the file's `tensor_names`, the layer count is checked against
+        them before anything per layer is built."""
         arch = check_arch(meta, source, want_target=True)
         r = MetadataReader(meta, source, arch)
         block_count = r.int("block_count")
@@ -206,6 +209,7 @@ class TargetConfig:
             rms_eps=r.float(TARGET_KEYS["rms_eps"]),
             tied_output=bool(tied_output),
             n_nextn=n_nextn,
+            rope_freq_factors=tuple(rope_freq_factors),
             **sizes,
         )
         check_target(cfg, source)
@@ -324,6 +328,18 @@ def _head_dim(r: MetadataReader, sizes: Mapping[str, int]) -> int:
         raise r.error(TARGET_KEYS["head_dim"], f"is missing and {r.arch}.{TARGET_KEYS['hidden']} = {sizes['hidden']} "
                                                f"is not a multiple of {r.arch}.{TARGET_KEYS['n_head']} = {sizes['n_head']}")
     return sizes["hidden"] // sizes["n_head"]
+
+
+def _rope_factors(f: GGUFFile, source: str) -> tuple[float, ...]:
+    """The values of tensor rope_freqs.weight (Llama 3 RoPE scaling, one factor per
+    frequency; checked against the config by check_target), or () without it."""
+    info = f.tensors.get(ROPE_FACTORS)
+    if info is None:
+        return ()
+    if info.dtype not in FLOAT_DTYPES or len(info.shape) != 1:
+        raise ModelConfigError(f"{source}: tensor {ROPE_FACTORS} must be a vector of floats, "
+                               f"got {info.dtype.value.upper()} {list(info.shape)}")
+    return tuple(float(v) for v in np.asarray(f.dequantize(ROPE_FACTORS), np.float32))
 
 
 def _check_no_rope_scaling(r: MetadataReader) -> None:

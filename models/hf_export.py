@@ -10,6 +10,7 @@ head for llama.cpp's adjacent-pair RoPE (HF row s * D/2 + i of a head becomes ro
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,10 +67,9 @@ def hf_plan(arch: str, hf_config: Mapping[str, Any], state: Mapping[str, np.ndar
     c = hf_config
     n_head, n_head_kv = c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // n_head
-    if c.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {c['rope_scaling']!r} is not exported (only unscaled RoPE)")
     weight_dtype, file_type = FILE_TYPES[dtype]
-    tensors = {}
+    factors = _llama3_rope_factors(c, head_dim)
+    tensors = {} if factors is None else {"rope_freqs.weight": PlannedTensor(factors, FILE_TYPES["f32"][0])}
     for hf_name, value in state.items():
         if hf_name == "lm_head.weight" and c.get("tie_word_embeddings"):
             continue
@@ -100,9 +100,30 @@ def hf_plan(arch: str, hf_config: Mapping[str, Any], state: Mapping[str, np.ndar
     return GGUFPlan(meta | dict(tokenizer or tiny_vocab(c["vocab_size"])), tensors)
 
 
+def _rope_params(c: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The RoPE parameters of an HF config (Transformers 5: rope_parameters; before: rope_scaling)."""
+    return c.get("rope_parameters") or c.get("rope_scaling") or {}
+
+
 def _rope_theta(c: Mapping[str, Any]) -> float:
-    """rope_theta of an HF config (Transformers 5 keeps it in rope_parameters)."""
-    params = c.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_parameters {params!r} are not exported (only unscaled RoPE)")
-    return params.get("rope_theta", c.get("rope_theta", 10000.0))
+    return _rope_params(c).get("rope_theta", c.get("rope_theta", 10000.0))
+
+
+def _llama3_rope_factors(c: Mapping[str, Any], head_dim: int) -> np.ndarray | None:
+    """Llama 3's RoPE scaling as llama.cpp's converter stores it: rope_freqs.weight, the factor
+    that divides each inverse frequency (1 for short wavelengths, `factor` for long ones,
+    interpolated between); None for unscaled RoPE. Other scalings are refused."""
+    params = _rope_params(c)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"RoPE scaling {params!r} is not exported (unscaled and llama3 only)")
+    inv_freq = np.float32(1) / np.float32(_rope_theta(c)) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factor, low, high = params["factor"], params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old_context = params.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq.astype(np.float64)
+    smooth = (old_context / wavelen - low) / (high - low)
+    factors = np.where(wavelen < old_context / high, 1.0,
+                       np.where(wavelen > old_context / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    return factors.astype(np.float32)

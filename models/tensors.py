@@ -46,7 +46,8 @@ def expected_tensors(cfg: TargetConfig | DraftConfig) -> dict[str, tuple[int, ..
     """
     if cfg.role == "draft":
         return _draft_tensors(cfg)
-    t = {"token_embd.weight": (cfg.vocab_size, cfg.hidden)}
+    t = {"rope_freqs.weight": (cfg.n_rot // 2,)} if cfg.rope_freq_factors else {}
+    t["token_embd.weight"] = (cfg.vocab_size, cfg.hidden)
     for i, recurrent in enumerate(cfg.layer_is_recurrent):
         t |= _target_block(cfg, i, recurrent)
     t["output_norm.weight"] = (cfg.hidden,)

@@ -190,6 +190,8 @@ class TargetBuilder:
             rope.update(sections=tuple(cfg.rope_sections), interleaved=True)
         if cfg.permuted_qk:  # q and k stay in the file's order, the caches too (scores are dot products)
             rope.update(pairs="adjacent")
+        if cfg.rope_freq_factors:
+            rope.update(freq_factors=cfg.rope_freq_factors)
         q = b.rope(q, slot.positions, **rope)
         k = b.rope(k, slot.positions, **rope)
         k_cache = slot.state(b, f"blk.{i}.k_cache", DType.F32, ("C", Hkv, D))

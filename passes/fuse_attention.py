@@ -24,7 +24,7 @@ from dflash_ir.ops.fused import attention_input_names
 from dflash_ir.rewrite import P, Rule, V, rewrite
 
 BLOCK_ROWS = 64
-_ROPE_DEFAULTS = {"sections": (), "interleaved": False, "pairs": "halves"}
+_ROPE_DEFAULTS = {"sections": (), "interleaved": False, "pairs": "halves", "freq_factors": ()}
 
 
 def _roped(x: str, normed: bool) -> P:

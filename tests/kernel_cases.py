@@ -229,6 +229,9 @@ case("rope_sections", T=4)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 32)), c.in
                                                       n_rot=24, theta=1e4, sections=(6, 3, 3))))
 case("rope_adjacent_partial", T=3)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 32)), c.ints("pos", ("T",), 9000),
                                                               n_rot=24, theta=1e4, pairs="adjacent")))
+case("rope_freq_factors", T=3)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 16)), c.ints("pos", ("T",), 5000),
+                                                          n_rot=16, theta=5e5, pairs="adjacent",
+                                                          freq_factors=(1.0, 1.0, 1.5, 3.25, 8.0, 8.0, 8.0, 8.0))))
 case("rope_interleaved", T=4)(lambda c: c.out(c.b.rope(c.x("x", ("T", 2, 32)), c.ints("pos", ("T",), 4000),
                                                          n_rot=8, theta=1e7, sections=(2, 1, 1, 0), interleaved=True)))
 
@@ -368,7 +371,8 @@ case("repeat_interleave", T=2)(lambda c: c.out(c.b.repeat(c.x("x", ("T", 3, 4)),
 def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d: int = 16, dv: int = 16,
                      rows: str | int = "T", pos: int = 6, past: int = 0, n_rot: int = 8, sections: tuple = (),
                      interleaved: bool = False, positions_rank: int = 1, causal: bool | None = None, window: int = 0,
-                     read_old: bool = False, prefill: bool = False, pairs: str = "halves", normed: bool = True):
+                     read_old: bool = False, prefill: bool = False, pairs: str = "halves", normed: bool = True,
+                     freq_factors: tuple = ()):
     """The layer over caches filled to `pos`; `rows` "T" (a verify or block: a symbol) or 1
     (a decode: static); kv_len = pos + T + `past` (cache rows past the new ones, read from the
     cache); M-RoPE with `sections` (positions [T, 4] when `positions_rank` is 2); with
@@ -389,7 +393,8 @@ def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d
         res = c.b.fused_attention(q, k, v, *norms, positions, c.scalar("pos", pos),
                                   c.scalar("kv_len", pos + t + past), k_cache, v_cache, eps=1e-6 if normed else None,
                                   n_rot=n_rot,
-                                  theta=1e6, sections=sections, interleaved=interleaved, pairs=pairs, scale=d ** -0.5,
+                                  theta=1e6, sections=sections, interleaved=interleaved, pairs=pairs,
+                                  freq_factors=freq_factors, scale=d ** -0.5,
                                   causal=persist if causal is None else causal, window=window, gated=gated,
                                   persist=persist, variant="prefill" if prefill else "decode" if rows == 1 else "block")
         if persist:
@@ -421,6 +426,8 @@ case("fused_attention_decode_no_norms", C=16)(_fused_attention(False, True, rows
                                                                normed=False))
 case("fused_attention_prefill_no_norms", T=18, C=24)(_fused_attention(False, True, pos=2, n_rot=16, pairs="adjacent",
                                                                       normed=False, prefill=True))
+case("fused_attention_llama3_rope", T=4, C=16)(_fused_attention(  # Llama 3.1's layer: rope_freqs.weight
+    False, True, hq=4, hkv=1, n_rot=16, pairs="adjacent", normed=False, freq_factors=(1.0, 1.25, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0)))
 case("fused_attention_block_no_norms", T=4, C=12)(_fused_attention(False, False, n_rot=16, pairs="adjacent",
                                                                    normed=False))
 case("fused_attention_persist_copy", T=3, C=12)(_fused_attention(False, True, read_old=True))

@@ -97,7 +97,7 @@ class _Rope:
         self.n_rot = attr["n_rot"]
         self.half = self.n_rot // 2
         self.pairs = RotaryPairs(self.n_rot, attr.get("pairs", "halves"))
-        inv_freq = inv_freq_f32(self.n_rot, attr["theta"])
+        inv_freq = inv_freq_f32(self.n_rot, attr["theta"], attr.get("freq_factors", ()))
         comps = frequency_components(self.half, tuple(attr.get("sections", ())), attr.get("interleaved", False))
         self.positions = positions
         self.freq = kb.array("inv_freq", F32, self.half, init=[float(f) for f in inv_freq])

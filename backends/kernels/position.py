@@ -36,7 +36,7 @@ def rope(ctx: NodeCtx) -> None:
     _, h, d = ctx.ins[0].type.shape
     n_rot = ctx.attr["n_rot"]
     half = n_rot // 2
-    inv_freq = inv_freq_f32(n_rot, ctx.attr["theta"])
+    inv_freq = inv_freq_f32(n_rot, ctx.attr["theta"], ctx.attr.get("freq_factors", ()))
     pairs = RotaryPairs(n_rot, ctx.attr.get("pairs", "halves"))
     components = frequency_components(half, tuple(ctx.attr.get("sections", ())), ctx.attr.get("interleaved", False))
     D = dim(d)

@@ -96,7 +96,7 @@ def attention_prologue(ctx: TVMNodeCtx) -> tuple[Value, Value]:
     a = ctx.attr
     x = attention_inputs(ctx.ins, a["eps"])
     q, k = x["q"], x["k"]
-    rope = {n: a[n] for n in ("n_rot", "theta", "sections", "interleaved", "pairs") if n in a}
+    rope = {n: a[n] for n in ("n_rot", "theta", "sections", "interleaved", "pairs", "freq_factors") if n in a}
     q_part = ctx.sub("slice", q, axis=2, start=0, stop=k.type.shape[2]) if a.get("gated") else q
 
     def normed(value: Value, norm: str) -> Value:

@@ -17,17 +17,18 @@ from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, f32, weight_at
 
 
-def _select(index: str, values) -> str:
-    """values[index] for a small constant table, as a chain of selects over its runs."""
+def _select(index: str, values, literal=lambda v: str(int(v))) -> str:
+    """values[index] for a small constant table, as a chain of selects over its runs, each
+    value written by `literal`."""
     runs = []
     for j, v in enumerate(values):
         if runs and runs[-1][1] == v:
             runs[-1][0] = j + 1
         else:
             runs.append([j + 1, v])
-    expr = str(int(runs[-1][1]))
+    expr = literal(runs[-1][1])
     for end, v in reversed(runs[:-1]):
-        expr = f"T.if_then_else({index} < {end}, {int(v)}, {expr})"
+        expr = f"T.if_then_else({index} < {end}, {literal(v)}, {expr})"
     return expr
 
 
@@ -47,6 +48,9 @@ def rope(ctx: TVMNodeCtx) -> None:
         first, second, is_first = j, f"{j} + {half}", f"dd < {half}"
     inv_freq = (f'(T.float32(1) / T.Cast("float32", T.pow(T.float64({theta!r}), '
                 f'T.Cast("float64", T.Cast("float32", 2 * {j}) / T.float32({n_rot})))))')
+    factors = ctx.attr.get("freq_factors", ())
+    if factors:  # ops/position.py: the inverse frequency divided by its factor, in f32
+        inv_freq = f"({inv_freq} / {_select(j, factors, lambda v: f'T.float32({float(np.float32(v))!r})')})"
     if pos.type.rank == 2:
         position = f"pos[ti * {dim(pos.type.shape[1])} + {_select(j, components)}]"
     else:

@@ -10,6 +10,7 @@ from dflash_ir.backends.base import BackendUnavailable
 from dflash_ir.backends.toolchain import CompileError
 from dflash_ir.errors import DflashError
 from dflash_ir.models.checks import MAX_BLOCK_SIZE, MAX_POSITIONS
+from dflash_ir.models.metadata import TARGET_ARCHS
 
 from .args import add_quiet, integer, progress_printer
 
@@ -51,7 +52,7 @@ def resolve_backend(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash-compile", description="Compile a target GGUF and its DFlash draft GGUF "
                                 "into a dflash-ir artifact.")
-    p.add_argument("target", help="target model GGUF (qwen35 / qwen35moe)")
+    p.add_argument("target", help=f"target model GGUF ({' / '.join(TARGET_ARCHS)})")
     p.add_argument("draft", nargs="?", help="DFlash draft GGUF (arch dflash); omit for a target-only artifact")
     p.add_argument("-o", "--output", required=True, help="artifact folder to write")
     p.add_argument("--tune", nargs="?", const=TUNE_S, type=float, default=None, metavar="SECONDS",

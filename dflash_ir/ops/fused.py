@@ -57,8 +57,8 @@ def attention_inputs(inputs: Sequence, eps) -> dict:
     return dict(zip(names, inputs))
 
 
-def _fused_attention_rule(*inputs, eps, n_rot, theta, sections, interleaved, pairs, scale, causal, window, gated,
-                          persist, variant):
+def _fused_attention_rule(*inputs, eps, n_rot, theta, sections, interleaved, pairs, freq_factors, scale, causal,
+                          window, gated, persist, variant):
     x = attention_inputs(inputs, eps)
     q, k, v, positions = x["q"], x["k"], x["v"], x["positions"]
     expect_rank("q", q, 3)
@@ -71,7 +71,8 @@ def _fused_attention_rule(*inputs, eps, n_rot, theta, sections, interleaved, pai
     bool_attr("persist", persist)
     choice_attr("variant", variant, VARIANTS)
     q_part = TensorType(q.dtype, q.shape[:2] + (k.shape[2],))
-    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved, pairs=pairs)
+    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved, pairs=pairs,
+                      freq_factors=freq_factors)
 
     def normed(t: TensorType, norm: str) -> TensorType:
         return t if eps is None else _infer("rmsnorm", t, x[norm], eps=eps)[0]
@@ -87,8 +88,8 @@ def _fused_attention_rule(*inputs, eps, n_rot, theta, sections, interleaved, pai
 
 
 @defop("fused_attention", _fused_attention_rule)
-def fused_attention(*inputs, eps, n_rot, theta, sections=(), interleaved=False, pairs="halves", scale, causal=True,
-                    window=0, gated=False, persist=True, variant="prefill"):
+def fused_attention(*inputs, eps, n_rot, theta, sections=(), interleaved=False, pairs="halves", freq_factors=(), scale,
+                    causal=True, window=0, gated=False, persist=True, variant="prefill"):
     """One attention layer on ATTENTION_INPUTS: rmsnorm (with eps; none with eps None and
     no q_norm, k_norm inputs) + RoPE of q and k, k and v written into the caches at
     `pos`, softmax attention over the first kv_len rows, heads flattened to [T, H*Dv], and
@@ -100,7 +101,8 @@ def fused_attention(*inputs, eps, n_rot, theta, sections=(), interleaved=False, 
     q, k, v, positions, pos = x["q"], x["k"], x["v"], x["positions"], x["pos"]
     d = k.shape[2]
     q_part = q[..., :d] if gated else q
-    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved, pairs=pairs)
+    rope_attrs = dict(n_rot=n_rot, theta=theta, sections=sections, interleaved=interleaved, pairs=pairs,
+                      freq_factors=freq_factors)
 
     def normed(a: np.ndarray, norm: str) -> np.ndarray:
         return a if eps is None else rmsnorm(a, x[norm], eps=eps)

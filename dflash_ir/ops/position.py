@@ -5,6 +5,10 @@ it; "adjacent", (2i, 2i + 1), llama.cpp's mode for `llama` files, whose converte
 the q and k rows so that adjacent pairs of the file are HF's rotate-half pairs (the file's
 dim 2i + s holds HF's s * n_rot/2 + i). Frequency i drives pair i either way.
 
+`freq_factors`: Llama 3's frequency scaling as llama.cpp's converter stores it (the
+`rope_freqs.weight` tensor, one factor per frequency): inverse frequency i is divided by
+factor i, in f32, before the angle is formed (the order llama.cpp and HF's llama3 rope take).
+
 Precision: the angle is formed the way HF forms it, so our logits track HF's: inv_freq is
 float32 (theta^(2i/n_rot) rounded to f32, then an f32 reciprocal) and angle = f32(pos) *
 inv_freq is one f32 product. The f32 pow is rounded correctly (computed in f64), which is
@@ -14,6 +18,8 @@ angle would be more accurate but would differ from HF by up to half an ulp of th
 (~5e-4 rad at position 10^4), the largest of these errors.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -29,7 +35,8 @@ _COMPONENTS = 3  # t, h, w
 PAIRS = ("halves", "adjacent")
 
 
-def _rope_rule(x: TensorType, pos: TensorType, *, n_rot, theta, sections, interleaved, pairs) -> TensorType:
+def _rope_rule(x: TensorType, pos: TensorType, *, n_rot, theta, sections, interleaved, pairs,
+               freq_factors) -> TensorType:
     expect_dtype("x", x, DType.F32)
     expect_rank("x", x, 3)
     expect_dtype("pos", pos, DType.I32)
@@ -43,6 +50,9 @@ def _rope_rule(x: TensorType, pos: TensorType, *, n_rot, theta, sections, interl
     sections = ints_attr("sections", sections)
     bool_attr("interleaved", interleaved)
     choice_attr("pairs", pairs, PAIRS)
+    check(isinstance(freq_factors, tuple) and len(freq_factors) in (0, n_rot // 2)
+          and all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in freq_factors),
+          f"freq_factors must be n_rot/2 = {n_rot // 2} positive finite floats, or none; got {freq_factors!r}")
     if sections:
         check(len(sections) in (3, 4) and not any(sections[_COMPONENTS:]),
               f"sections must be (t, h, w) or (t, h, w, 0), got {sections}")
@@ -55,10 +65,12 @@ def _rope_rule(x: TensorType, pos: TensorType, *, n_rot, theta, sections, interl
     return x
 
 
-def inv_freq_f32(n_rot: int, theta: float) -> np.ndarray:
-    """theta^(-2i/n_rot) for i < n_rot/2, rounded as HF's float32 computation rounds it."""
+def inv_freq_f32(n_rot: int, theta: float, freq_factors: tuple[float, ...] = ()) -> np.ndarray:
+    """theta^(-2i/n_rot) for i < n_rot/2, rounded as HF's float32 computation rounds it, then
+    divided by `freq_factors` (f32) where given."""
     exponent = np.arange(0, n_rot, 2, dtype=F32) / F32(n_rot)
-    return F32(1) / (np.float64(F32(theta)) ** exponent.astype(np.float64)).astype(F32)
+    inv_freq = F32(1) / (np.float64(F32(theta)) ** exponent.astype(np.float64)).astype(F32)
+    return inv_freq / np.asarray(freq_factors, F32) if freq_factors else inv_freq
 
 
 def frequency_components(half: int, sections: tuple[int, ...], interleaved: bool) -> np.ndarray:
@@ -85,7 +97,7 @@ def pair_dims(n_rot: int, pairs: str) -> tuple[slice, slice]:
 
 
 @defop("rope", _rope_rule)
-def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False, pairs="halves"):
+def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False, pairs="halves", freq_factors=()):
     """Rotation of `pairs` over the first n_rot dims of each head, the rest passed through.
     pos i32[T] (same position for every component) or i32[T, S] (components t, h, w first)
     with `sections`."""
@@ -93,7 +105,7 @@ def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False, pairs="halves"
     components = frequency_components(half, tuple(sections), interleaved)
     per_component = pos if pos.ndim == 2 else np.broadcast_to(pos[:, None], (len(pos), _COMPONENTS))
     positions = per_component[:, components]
-    angle = positions.astype(F32) * inv_freq_f32(n_rot, theta)
+    angle = positions.astype(F32) * inv_freq_f32(n_rot, theta, freq_factors)
     cos = np.cos(angle.astype(np.float64)).astype(F32)[:, None, :]
     sin = np.sin(angle.astype(np.float64)).astype(F32)[:, None, :]
     first, second = pair_dims(n_rot, pairs)

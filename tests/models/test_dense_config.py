@@ -45,8 +45,9 @@ def test_head_size_and_rope_base_default_as_in_llama_cpp(tmp_path, arch):
 @pytest.mark.parametrize("arch, edit, message", [
     ("llama", lambda p: p.metadata.update({"llama.rope.scaling.type": "linear"}),
      r"llama\.rope\.scaling\.type = 'linear': RoPE scaling is not supported"),
-    ("llama", lambda p: p.set_tensor("rope_freqs.weight", (16,)),
-     r"tensor rope_freqs\.weight \(Llama 3 RoPE frequency scaling\) is not supported"),
+    ("llama", lambda p: p.set_tensor("rope_freqs.weight", (8,)),
+     r"tensor rope_freqs\.weight must hold n_rot/2 = 16 positive finite factors .*this llama file has 8: "),
+    ("llama", lambda p: p.set_tensor("rope_freqs.weight", (4, 4)), r"tensor rope_freqs\.weight must be a vector"),
     ("qwen3", lambda p: p.tensors.pop("blk.1.attn_k_norm.weight"), r"tensor blk\.1\.attn_k_norm\.weight is missing"),
     ("llama", lambda p: p.set_tensor("blk.0.attn_q_norm.weight", (32,)),
      r"unexpected tensor blk\.0\.attn_q_norm\.weight \(not part of a llama model"),

@@ -25,13 +25,21 @@ PROMPTS = [[5, 77, 140, 9, 260, 31, 8, 101, 44], [300, 2, 17, 17, 250, 64, 1, 90
 TAPS = (1, 0)  # in this order; HF hidden_states[-1] is after the final norm, so not the last layer
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
-# llama: tied embeddings, head dim = hidden / heads; qwen3: untied, head dim 32 (q width 128 != hidden)
+# Llama 3's RoPE scaling, with an original context short enough that the 8 frequencies of a
+# 16-wide head take all three regimes at these positions: factor 1, interpolated, `factor`
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 100000.0}
+# llama: tied embeddings, head dim = hidden / heads; qwen3: untied, head dim 32 (q width 128 != hidden);
+# llama3: llama with LLAMA3_ROPE (a llama file with rope_freqs.weight)
 ARCHS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **COMMON, rope_theta=100000.0, tie_word_embeddings=True)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         **COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "llama3": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=True)),
 }
+GGUF_ARCH = {"llama3": "llama"}
 
 
 def _randomise(model, seed: int) -> None:
@@ -61,7 +69,7 @@ def hf(tmp_path_factory):
             _randomise(model, seed=1)
             state = {k: v.numpy() for k, v in model.state_dict().items()}
             path = write_gguf(tmp_path_factory.mktemp(arch) / f"{arch}.gguf",
-                              hf_plan(arch, model.config.to_dict(), state))
+                              hf_plan(GGUF_ARCH.get(arch, arch), model.config.to_dict(), state))
             made[arch] = model, path
         return made[arch]
 
@@ -130,10 +138,27 @@ def test_export_config_reads_back(hf, arch):
     model, path = hf(arch)
     c = model.config
     cfg = TargetConfig.from_gguf(open_gguf(path))
+    gguf_arch = GGUF_ARCH.get(arch, arch)
     assert (cfg.arch, cfg.n_layer, cfg.hidden, cfg.ff, cfg.n_head, cfg.n_head_kv) == (
-        arch, c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads)
+        gguf_arch, c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
+        c.num_key_value_heads)
     assert cfg.head_dim == (32 if arch == "qwen3" else c.hidden_size // c.num_attention_heads)
     assert cfg.tied_output == c.tie_word_embeddings
     assert cfg.layer_is_recurrent == (False,) * c.num_hidden_layers
-    assert cfg.qk_norm == (arch == "qwen3") and cfg.permuted_qk == (arch == "llama")
+    assert cfg.qk_norm == (arch == "qwen3") and cfg.permuted_qk == (gguf_arch == "llama")
+    if arch == "llama3":  # wavelengths 2 pi / 10^(5 i / 8): 6.3 (< 64/4: 1), 27 (between), then > 64 (8)
+        first, mid, *rest = cfg.rope_freq_factors
+        assert len(rest) == 6 and first == 1 and 1 < mid < 8 and set(rest) == {8}
+    else:
+        assert cfg.rope_freq_factors == ()
+
+
+def test_llama3_rope_scaling_shows_in_these_logits(hf):
+    """The test above would see factors that are ignored: Transformers' own logits move when
+    the same weights run without the scaling."""
+    model, _ = hf("llama3")
+    config = model.config.to_dict() | {"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    plain.load_state_dict(model.state_dict())
+    assert np.abs(_hf_forward(model, PROMPTS[1])[0] - _hf_forward(plain, PROMPTS[1])[0]).max() > 100 * TOL
 

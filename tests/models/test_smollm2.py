@@ -11,7 +11,6 @@ from dflash_ir.models.config import TargetConfig
 from dflash_ir.models.generator import GGUFPlan, write_gguf
 from dflash_ir.models.gguf_file import open_gguf
 from dflash_ir.models.hf_export import unpermute_from_llama_cpp
-from dflash_ir.models.smollm2 import smollm2_gguf
 from dflash_ir.models.tensors import validate_tensors
 from dflash_ir.models.tokenizer import Tokenizer
 
@@ -40,14 +39,6 @@ CHATS = [
     [{"role": "user", "content": "Write a Python function that reverses a string."}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}],
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

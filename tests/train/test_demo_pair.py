@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from dflash_ir.artifact import open_engine
+from dflash_ir.demo import SMOLLM2_REQUESTS
+from dflash_ir.models.gguf_file import open_gguf
 from dflash_ir.models.tokenizer import Tokenizer
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
@@ -35,3 +37,30 @@ def test_speculative_equals_target_only_on_heldout_prompt(engine, index):
     plain = engine.generate(prompt, max_tokens=N_NEW, ignore_eos=True, speculative=False)
     assert spec.tokens == plain.tokens
     assert spec.stats.tau >= 2.5, spec.stats.summary()
+
+
+# -- the SmolLM2 pair: the package's target, the draft trained here (train/smollm2.py) ------
+SMOLLM2_DRAFT = DEMO / "smollm2-dflash-q8_0.gguf"
+SMOLLM2_TAU = 1.02  # above 1 (the draft is right sometimes); tau is ~1.1-1.3 (train/README.md)
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine(smollm2):
+    return open_engine(smollm2, SMOLLM2_DRAFT, n_ctx=512, load_tokenizer=True)
+
+
+def test_smollm2_draft_is_small_q8_0_with_the_targets_tokenizer(smollm2):
+    assert SMOLLM2_DRAFT.stat().st_size < 20e6
+    draft, target = open_gguf(SMOLLM2_DRAFT), open_gguf(smollm2)
+    assert draft.metadata["general.architecture"] == "dflash"
+    assert {t.dtype.value for t in draft.tensors.values() if len(t.shape) == 2} == {"q8_0"}
+    assert draft.metadata["tokenizer.ggml.tokens"] == target.metadata["tokenizer.ggml.tokens"]
+    assert Tokenizer.from_gguf(SMOLLM2_DRAFT).mask_id == Tokenizer.from_gguf(smollm2).token_to_id("<empty_output>")
+
+
+@pytest.mark.parametrize("request_", SMOLLM2_REQUESTS, ids=lambda r: r.label)
+def test_smollm2_speculative_equals_target_only_on_the_demo_requests(smollm2_engine, request_):
+    spec = smollm2_engine.generate(max_tokens=24, **request_.kwargs())  # the interpreter: ~1 s a round
+    plain = smollm2_engine.generate(max_tokens=24, speculative=False, **request_.kwargs())
+    assert spec.tokens == plain.tokens
+    assert spec.stats.tau >= SMOLLM2_TAU, spec.stats.summary()

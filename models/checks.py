@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .metadata import MASK_TOKEN_KEYS, MOE_FIELDS, MetadataReader, ModelConfigError
+from .tensors import ROPE_FACTORS
 
 if TYPE_CHECKING:
     from .config import DraftConfig, TargetConfig
@@ -51,7 +52,7 @@ def check_target(cfg: TargetConfig, source: str) -> None:
     if cfg.rope_freq_factors and (cfg.is_hybrid or len(cfg.rope_freq_factors) != cfg.n_rot // 2 or
                                   not all(math.isfinite(x) and x > 0 for x in cfg.rope_freq_factors)):
         shown = ", ".join(f"{x:g}" for x in cfg.rope_freq_factors[:6])
-        raise ModelConfigError(f"{source}: tensor rope_freqs.weight must hold n_rot/2 = {cfg.n_rot // 2} positive "
+        raise ModelConfigError(f"{source}: tensor {ROPE_FACTORS} must hold n_rot/2 = {cfg.n_rot // 2} positive "
                                f"finite factors (llama and qwen3 targets only); this {cfg.arch} file has "
                                f"{len(cfg.rope_freq_factors)}: {shown}{', ...' if len(cfg.rope_freq_factors) > 6 else ''}")
     if not cfg.is_hybrid:

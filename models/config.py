@@ -29,11 +29,10 @@ from .metadata import (
     check_arch,
     read_mask_id,
 )
-from .tensors import FLOAT_DTYPES
+from .tensors import FLOAT_DTYPES, ROPE_FACTORS
 
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default when the key is absent
 DEFAULT_ROPE_THETA = 10000.0  # llama.cpp's rope.freq_base when the key is absent
-ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1 rope scaling as llama.cpp's converter writes it
 
 
 def interval_pattern(n_layer: int, interval: int) -> tuple[bool, ...]:
@@ -343,7 +342,8 @@ def _rope_factors(f: GGUFFile, source: str) -> tuple[float, ...]:
 
 
 def _check_no_rope_scaling(r: MetadataReader) -> None:
-    """RoPE scaling (linear, YaRN, Llama 3's frequency factors) changes the angles: refused, not ignored."""
+    """RoPE scaling by metadata (linear, YaRN) changes the angles: refused, not ignored. (Llama 3's
+    frequency factors come as a tensor, ROPE_FACTORS, and are applied.)"""
     kind = r.meta.get(f"{r.arch}.rope.scaling.type", "none")
     if kind != "none":
         raise r.error("rope.scaling.type", f"= {kind!r}: RoPE scaling is not supported (only 'none')")

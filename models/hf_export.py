@@ -16,9 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from dflash_ir.ops.position import inv_freq_f32
+
 from .generator import FILE_TYPES, GGUFPlan, PlannedTensor, tiny_vocab
 from .metadata import DENSE_ARCHS
-from .tensors import converter_keeps_f32
+from .tensors import ROPE_FACTORS, converter_keeps_f32
 
 # HF name (after "model.layers.N.", or "layers.N." in a z-lab draft) -> GGUF name (after "blk.N.")
 HF_LAYER_NAMES = {
@@ -69,7 +71,7 @@ def hf_plan(arch: str, hf_config: Mapping[str, Any], state: Mapping[str, np.ndar
     head_dim = c.get("head_dim") or c["hidden_size"] // n_head
     weight_dtype, file_type = FILE_TYPES[dtype]
     factors = _llama3_rope_factors(c, head_dim)
-    tensors = {} if factors is None else {"rope_freqs.weight": PlannedTensor(factors, FILE_TYPES["f32"][0])}
+    tensors = {} if factors is None else {ROPE_FACTORS: PlannedTensor(factors, FILE_TYPES["f32"][0])}
     for hf_name, value in state.items():
         if hf_name == "lm_head.weight" and c.get("tie_word_embeddings"):
             continue
@@ -119,7 +121,7 @@ def _llama3_rope_factors(c: Mapping[str, Any], head_dim: int) -> np.ndarray | No
         return None
     if kind != "llama3":
         raise ValueError(f"RoPE scaling {params!r} is not exported (unscaled and llama3 only)")
-    inv_freq = np.float32(1) / np.float32(_rope_theta(c)) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    inv_freq = inv_freq_f32(head_dim, _rope_theta(c))
     factor, low, high = params["factor"], params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
     old_context = params.get("original_max_position_embeddings", 8192)
     wavelen = 2 * math.pi / inv_freq.astype(np.float64)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 # What our runtime reads. Tensors the converter always keeps in float (1-D, norms, router,
 # conv) must stay float: ggml's elementwise and ssm_conv ops need them that way too.
 FLOAT_DTYPES = frozenset({DType.F32, DType.F16, DType.BF16})
+ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1 RoPE scaling as llama.cpp's converter writes it
 WEIGHT_DTYPES = FLOAT_DTYPES | {d for d in DType if d.is_block}
 
 
@@ -46,7 +47,7 @@ def expected_tensors(cfg: TargetConfig | DraftConfig) -> dict[str, tuple[int, ..
     """
     if cfg.role == "draft":
         return _draft_tensors(cfg)
-    t = {"rope_freqs.weight": (cfg.n_rot // 2,)} if cfg.rope_freq_factors else {}
+    t = {ROPE_FACTORS: (cfg.n_rot // 2,)} if cfg.rope_freq_factors else {}
     t["token_embd.weight"] = (cfg.vocab_size, cfg.hidden)
     for i, recurrent in enumerate(cfg.layer_is_recurrent):
         t |= _target_block(cfg, i, recurrent)

@@ -1,6 +1,6 @@
 """fuse_attention: one `fused_attention` node per attention layer.
 
-Two rules, applied in this order:
+Two rules, each for layers with and without q/k norms, applied in this order:
 1. `attention` whose q and k are rope(rmsnorm(·, norm weight)) at the same positions (or
    rope(·) alone, llama's layers: a fused_attention without norm inputs, eps None), whose
    K/V come from kv_write into state caches at the same `pos`, and whose output is
@@ -21,10 +21,10 @@ import functools
 
 from dflash_ir.ir import Graph
 from dflash_ir.ops.fused import attention_input_names
+from dflash_ir.ops.position import ROPE_DEFAULTS
 from dflash_ir.rewrite import P, Rule, V, rewrite
 
 BLOCK_ROWS = 64
-_ROPE_DEFAULTS = {"sections": (), "interleaved": False, "pairs": "halves", "freq_factors": ()}
 
 
 def _roped(x: str, normed: bool) -> P:
@@ -49,18 +49,18 @@ def variant(rows, kind: str | None) -> str:
 
 
 def _fuse(m, emit, normed: bool):
-    rope = {**_ROPE_DEFAULTS, **m.node("q_rot").attr}
+    rope = {**ROPE_DEFAULTS, **m.node("q_rot").attr}
     eps = m.node("q_normed").attr["eps"] if normed else None
-    if rope != {**_ROPE_DEFAULTS, **m.node("k_rot").attr} or (normed and m.node("k_normed").attr["eps"] != eps):
+    if rope != {**ROPE_DEFAULTS, **m.node("k_rot").attr} or (normed and m.node("k_normed").attr["eps"] != eps):
         return None
     rows, heads, dv = m["attn"].type.shape
     if not (isinstance(heads, int) and isinstance(dv, int)) or m.value.type.shape != (rows, heads * dv):
         return None
     persist = emit.uses(m["k_all"]) > 1 or emit.uses(m["v_all"]) > 1
     attn = m.node("attn").attr
-    fused = emit.op("fused_attention", *(m[n] for n in attention_input_names(normed)), eps=eps, **rope, scale=attn["scale"],
-                    causal=attn.get("causal", True), window=attn.get("window", 0), gated=False, persist=persist,
-                    variant=variant(rows, emit.meta.get("kind")))
+    fused = emit.op("fused_attention", *(m[n] for n in attention_input_names(normed)), eps=eps, **rope,
+                    scale=attn["scale"], causal=attn.get("causal", True), window=attn.get("window", 0), gated=False,
+                    persist=persist, variant=variant(rows, emit.meta.get("kind")))
     return {m.value: fused[0], m["k_all"]: fused[1], m["v_all"]: fused[2]} if persist else fused
 
 
@@ -68,8 +68,9 @@ _GATE = P("sigmoid", P("reshape", P("slice", V("qg"), name="gate", one_use=True)
 
 
 def _ungated(normed: bool) -> P:
-    return P("fused_attention", P("slice", V("qg"), name="q", one_use=True), *(V(n) for n in attention_input_names(normed)[1:]),
-             name="fa", attrs={"gated": False}, one_use=True)
+    rest = (V(n) for n in attention_input_names(normed)[1:])
+    return P("fused_attention", P("slice", V("qg"), name="q", one_use=True), *rest, name="fa", attrs={"gated": False},
+             one_use=True)
 
 
 def _absorb_gate(m, emit, normed: bool):

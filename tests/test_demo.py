@@ -1,6 +1,7 @@
-"""`make demo` (dflash_ir/demo.py): the shipped pairs compile, and each request's speculative
-answer is printed beside the target-only one, identical, with its tau and speed-ups (every round
-at n_max, and the cost-aware length)."""
+"""`make demo` (dflash_ir/demo.py) on the coder pair (the SmolLM2 pair's requests:
+tests/train/test_demo_pair.py): it compiles, and each request's speculative answer is printed
+beside the target-only one, identical, with its tau and speed-ups (every round at n_max, and the
+cost-aware length)."""
 import re
 
 import pytest

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=ROOT / "build", help="where the artifact is compiled (default build/)")
     args = p.parse_args(argv)
     if args.pair == "coder":
-        target, draft = args.dir / "coder-target-q8_0.gguf", args.dir / "coder-dflash-q8_0.gguf"
+        coder = demo.PAIRS["coder"]
+        target, draft = args.dir / coder.target().name, args.dir / coder.draft.name
         requests, written = coder_requests(args.dir), args.dir / "measurements.json"
     else:
         target, draft = demo.pair_files(demo.PAIRS[args.pair])

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dflash_ir.ir import Value
-from dflash_ir.ops.fused import ATTENTION_INPUTS, attention_inputs
+from dflash_ir.ops.fused import attention_inputs
 from dflash_ir.ops.position import frequency_components, inv_freq_f32
 from dflash_ir.types import Dim
 
@@ -686,7 +686,7 @@ def fused_attention(ctx: NodeCtx) -> None:
         """The layer's kernel `op`: writing the new rows (the prefill's first launch), or the
         attention with its q side (and with the new rows, unless they are already written)."""
         kb = _kernel(ctx, op)
-        used = ("k", "v", "k_norm", "positions", "pos") if writes_rows else ATTENTION_INPUTS[:8]
+        used = ("k", "v", "k_norm", "positions", "pos") if writes_rows else x.keys() - {"k_cache", "v_cache"}
         b = {name: kb.bind(name, value) for name, value in x.items() if name in used}
         k_buf, v_buf = (kb.bind(name, c, writes=persist and (writes_rows or not split))
                         for name, c in zip(("k_cache", "v_cache"), caches))

@@ -320,7 +320,7 @@ class KernelBuilder:
 def _kernel(op: str, buffers: tuple[Param, ...], local: tuple[int, ...], int_params: tuple[str, ...],
             body: K) -> Kernel:
     """The kernel of a built tree. Memoised on the tree (structural equality): the layers of
-    a model build the same trees many times over (1035 builds, 83 kernels, in a 16-layer
+    a model build the same trees many times over (1437 builds, 125 kernels, in a 16-layer
     model's programs) and simplifying a tree is most of a build's cost."""
     from .simplify import simplify
 

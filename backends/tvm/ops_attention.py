@@ -8,6 +8,7 @@ from __future__ import annotations
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.ops.fused import attention_inputs
+from dflash_ir.ops.position import ROPE_DEFAULTS
 from dflash_ir.types import TensorType
 
 from .lowering import TVMNodeCtx, lowers
@@ -96,7 +97,7 @@ def attention_prologue(ctx: TVMNodeCtx) -> tuple[Value, Value]:
     a = ctx.attr
     x = attention_inputs(ctx.ins, a["eps"])
     q, k = x["q"], x["k"]
-    rope = {n: a[n] for n in ("n_rot", "theta", "sections", "interleaved", "pairs", "freq_factors") if n in a}
+    rope = {n: a[n] for n in ("n_rot", "theta", *ROPE_DEFAULTS) if n in a}
     q_part = ctx.sub("slice", q, axis=2, start=0, stop=k.type.shape[2]) if a.get("gated") else q
 
     def normed(value: Value, norm: str) -> Value:

@@ -19,6 +19,7 @@ angle would be more accurate but would differ from HF by up to half an ulp of th
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -114,3 +115,8 @@ def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False, pairs="halves"
     y[..., first] = x1 * cos - x2 * sin
     y[..., second] = x2 * cos + x1 * sin
     return y
+
+
+# rope's optional attributes and their defaults: what a fused op carries besides n_rot and theta
+ROPE_DEFAULTS = {name: p.default for name, p in inspect.signature(rope).parameters.items()
+                 if p.default is not inspect.Parameter.empty}

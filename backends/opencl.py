@@ -6,9 +6,14 @@ Runs on any OpenCL 1.2+ device; on a CPU-only machine that is PoCL (Debian packa
 The artifact keeps one source file per kernel (kernels/opencl/<kernel>.cl, plus the shared
 header): kernel names are content hashes, so the prefill, verify and decode programs of a
 model share most files. A process builds each kernel once: kernels not built yet are built
-together as one OpenCL program when compiling (which validates them) or on the first
-launch after a load (PoCL compiles a kernel again for every program holding it), and
-PoCL's disk cache (~/.cache/pocl, or $POCL_CACHE_DIR) lets the next process skip the compile.
+together as one OpenCL program on the first launch after a load (PoCL compiles a kernel
+again for every program holding it), and PoCL's disk cache (~/.cache/pocl, or
+$POCL_CACHE_DIR) lets the next process skip the compile. That cache is keyed by a program's
+source, and PoCL also builds a kernel's work-group function on its first launch at each
+work-group size (seconds; cached under the program's key too), so the programs a load builds
+must not depend on what the process did before: compiling validates its kernels in programs
+of its own (`_VALIDATED`), and a process that compiled and then loads builds what a process
+that only loads builds, and finds what that one's launches left in the cache.
 
 On a PoCL CPU device whose host has AVX-512 VNNI, Q8_0 products over Q8_0 activations (the
 `q8` numerics) sum each block with VPDPBUSD, reached by inline assembly: PoCL compiles for
@@ -97,7 +102,8 @@ class KernelLibrary:
         return self.built[name]
 
 
-_LIBRARY = KernelLibrary()
+_LIBRARY = KernelLibrary()    # what loaded programs launch
+_VALIDATED = KernelLibrary()  # what compiling built to validate, never launched
 
 
 class CLDevice:
@@ -209,8 +215,8 @@ class OpenCLBackend(CompiledBackend):
             if not path.exists() or (name == "header.cl" and path.read_text() != text):
                 path.write_text(text)
         if self.unavailable_reason() is None:
-            _LIBRARY.add(header, {n: dialect.kernel_source(k) for n, k in plan.kernels.items()})
-            _LIBRARY.build_pending()
+            _VALIDATED.add(header, {n: dialect.kernel_source(k) for n, k in plan.kernels.items()})
+            _VALIDATED.build_pending()
         return {"dialect": self.dialect, "profile": profile, "isa": sorted(isa), "sources": "kernels/opencl",
                 "plan": plan.to_dict()}
 

@@ -348,6 +348,6 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
     if measure_costs and engine.draft is not None:
         from dflash_ir.runtime.costs import artifact_costs
 
-        progress("measuring round costs on this device (once per artifact)")
+        progress("measuring round costs on this device (once per artifact; the first launch of each kernel size builds it)")
         engine.costs = artifact_costs(engine, (path / "manifest.yaml").read_text(), be)
     return engine

@@ -134,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     compile_pair(target, draft, out=out, backend=backend, n_ctx=pair.n_ctx,
                  progress=lambda msg: print(f"dflash-compile: {msg}", flush=True))
     engine = load_compiled(out)
-    # warm-up: PoCL builds a kernel on its first launch (seconds), and a verify's kernels differ
-    # by row count: a short answer decoded, and drafted with round lengths from 1 to n_max
+    # warm-up: the first call at each size after a load loads its kernels (PoCL: from its disk
+    # cache, tens of ms each), which no timed run should pay: a short answer decoded, and
+    # drafted with round lengths from 1 to n_max
     warm_up = Request("warm-up", "", question="Say hello to a friend.").kwargs()
     engine.generate(max_tokens=8, speculative=False, **warm_up)
     for n_max in (1, 2, 4, 8, engine.n_max):

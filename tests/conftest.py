@@ -10,6 +10,7 @@ from oracle_fixtures import FixtureError, OracleFixtures
 from dflash_ir.models.agreeing import write_agreeing_pair
 from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
 from dflash_ir.models.smollm2 import smollm2_gguf
+from dflash_ir.runtime import costs
 
 
 @pytest.fixture(scope="session")
@@ -121,9 +122,13 @@ def scripted_lengths():
 
 @pytest.fixture(autouse=True, scope="session")
 def _cost_cache(tmp_path_factory):
-    """Round costs measured at load (dflash_ir/runtime/costs.py) are cached for the session only."""
+    """Round costs measured at load (dflash_ir/runtime/costs.py) are cached for the session
+    only, and measured without first running every program at every row count
+    (`run_every_size`): that builds kernels a test never launches, seconds each on a cold
+    PoCL cache. tests/runtime/test_costs.py and tests/backends/test_first_launches.py run it."""
     mp = pytest.MonkeyPatch()
     mp.setenv("DFLASH_IR_COST_CACHE", str(tmp_path_factory.mktemp("costs")))
+    mp.setattr(costs, "run_every_size", lambda target, draft: None)
     yield
     mp.undo()
 

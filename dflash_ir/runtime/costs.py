@@ -8,6 +8,11 @@ Measured once per artifact and device, at load, and cached as JSON under
 artifact's manifest (which pins the dflash-ir version, the sources and every compiled file)
 and by the device, so a recompiled artifact or another device is measured afresh. Costs are
 taken at a short context: attention's share of a verify grows with the context.
+
+Before timing anything the measurement runs each program once at every row count a
+generation gives it (`run_every_size`): a device that builds a kernel on its first launch
+at a new size (PoCL: seconds per kernel, then kept in its disk cache) does so at the first
+load of an artifact, not in the middle of a generation, and the timed calls find it done.
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ def measure_round_costs(target: TargetRunner, draft: DraftRunner) -> SpecCosts:
     if context < 1:
         raise ValueError(f"measuring costs needs a context of more than {B + TIMED + 1} tokens, this engine "
                          f"has {target.n_ctx}: compile with a larger one, or load with measure_costs=False")
+    run_every_size(target, draft)
     _reset(target, draft)
     features = target.prefill(np.zeros(context, np.int32)).device_features  # valid until the next prefill
     draft.inject(features)
@@ -77,6 +83,30 @@ def measure_round_costs(target: TargetRunner, draft: DraftRunner) -> SpecCosts:
     _reset(target, draft)
     verify = np.minimum.accumulate(verify[::-1])[::-1]
     return SpecCosts(tuple(float(v) for v in verify), min(decode), float(np.median(drafts)))
+
+
+def run_every_size(target: TargetRunner, draft: DraftRunner) -> None:
+    """One call of every kind at every row count n = 1..B that generation makes: a prompt
+    of n tokens, a verify of n rows and the commit of all n, an inject of n rows (after a
+    verify or a run of decode steps; longer runs fall in the largest row bucket, as prompts
+    do) and a draft block; a decode step. Results are dropped; leaves both runners reset."""
+    B = draft.block_size
+    _reset(target, draft)
+    width = target.prefill(np.zeros(1, np.int32)).features.shape[-1]
+    target.decode(0)
+    for n in range(1, B + 1):
+        if target.n_past + 2 * n > target.n_ctx:
+            target.reset()
+        if target.n_past + 2 * n <= target.n_ctx:
+            target.prefill(np.zeros(n, np.int32))
+            target.verify(np.zeros(n, np.int32))
+            target.commit(n)
+        if draft.ctx_len + n > draft.n_ctx:
+            draft.reset()
+        if n <= draft.n_ctx:
+            draft.inject(np.zeros((n, width), np.float32))
+            draft.propose(0)
+    _reset(target, draft)
 
 
 def _seconds(call: Callable[[], object]) -> float:

@@ -1,14 +1,15 @@
 """Round costs (runtime/costs.py): measured for every verify length, the decode step and the
-draft block; cached per artifact and device, reused on later loads, measured afresh when the
-artifact or the device changes."""
+draft block, after a call of every kind at every row count; cached per artifact and device,
+reused on later loads, measured afresh when the artifact or the device changes."""
 import json
+from collections import defaultdict
 
 import pytest
 
 from dflash_ir.artifact import compile_pair, load_compiled, open_engine
 from dflash_ir.backends.numpy_backend import NumpyBackend
 from dflash_ir.runtime import costs as costs_module
-from dflash_ir.runtime.costs import SpecCosts, cached_costs, measure_round_costs
+from dflash_ir.runtime.costs import SpecCosts, cached_costs, measure_round_costs, run_every_size
 
 
 def test_measurement_times_every_call_of_a_round_and_leaves_the_runners_reset(tiny_pair):
@@ -18,6 +19,32 @@ def test_measurement_times_every_call_of_a_round_and_leaves_the_runners_reset(ti
     assert min(costs.verify) > 0 and costs.decode > 0 and costs.draft > 0
     assert list(costs.verify) == sorted(costs.verify)  # a longer verify never costs less
     assert engine.target.n_past == 0 and engine.draft.ctx_len == 0
+
+
+def test_measurement_first_runs_every_row_count_a_generation_gives_each_program(tiny_pair, monkeypatch):
+    """A prompt, a verify and its commit, an inject: each at 1..B rows (B = 16), before the timing."""
+    monkeypatch.setattr(costs_module, "run_every_size", run_every_size)  # the suite leaves it out (conftest)
+    engine = open_engine(*tiny_pair("qwen35"), n_ctx=64)
+    rows = defaultdict(list)
+    for runner, kind in ((engine.target, "prefill"), (engine.target, "verify"), (engine.draft, "inject")):
+        _record(runner, kind, rows, len)
+    _record(engine.target, "commit", rows, int)
+    measure_round_costs(engine.target, engine.draft)
+    B = engine.draft.block_size
+    for kind in ("prefill", "verify", "commit", "inject"):
+        assert set(rows[kind]) >= set(range(1, B + 1)), kind
+    timed_context = rows["prefill"].index(costs_module.MEASURE_CONTEXT)  # the timed calls come after it
+    assert set(rows["prefill"][:timed_context]) == set(range(1, B + 1))
+    assert engine.target.n_past == 0 and engine.draft.ctx_len == 0
+
+
+def _record(runner, kind: str, rows, size) -> None:
+    call = getattr(runner, kind)
+
+    def recorded(arg, *a, **kw):
+        rows[kind].append(size(arg))
+        return call(arg, *a, **kw)
+    setattr(runner, kind, recorded)
 
 
 def test_measurement_needs_room_for_a_verify_block(tiny_pair):

@@ -115,11 +115,22 @@ class Scheduler:
         self._batched = {s: engine.target.programs[batched_verify(s)] for s in sorted(VERIFY_SLOTS, reverse=True)
                          if batch and batched_verify(s) in engine.target.programs and s <= n_slots}
         self._rows = engine.draft.block_size if self._batched else 0  # rows per block of a batched pass
+        self._run_batched_once()
         self._waiting: deque[Job] = deque()
         self._wake = threading.Condition()
         self._exposed: set[Slot] = set()  # slots whose states may sit in shared program buffers
         self.verify_passes = 0  # target verify passes run, batched or alone
         self.verified_blocks = 0  # blocks they verified
+
+    def _run_batched_once(self) -> None:
+        """One pass of each batched verify on the idle slots, its results dropped: a device that
+        builds a kernel on its first launch (PoCL: seconds) does it before the first request, as
+        the load does for the other programs (runtime/costs.run_every_size)."""
+        for size, program in self._batched.items():
+            targets = [slot.target for slot in self.slots[:size]]
+            verify_together(targets, [[0]] * size, program)
+            for target in targets:
+                target.reset()
 
     @property
     def queued(self) -> int:

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from dflash_ir.artifact import VERIFY_SLOTS, batched_verify
 from dflash_ir.serve.scheduler import Failed, Finished, Job, QueueFull, Scheduler, Tokens
 
 
@@ -42,6 +43,21 @@ def prompt_ids(engine, prompts):
 
 def drafts(rounds) -> dict[int, list[int]]:
     return {r["anchor_pos"]: r["proposals"] for r in rounds}
+
+
+def test_each_batched_verify_runs_once_before_the_first_request(engine, monkeypatch):
+    """So that PoCL builds its kernels (seconds) before a request waits on them."""
+    calls = []
+    for size in VERIFY_SLOTS:
+        program = engine.target.programs[batched_verify(size)]
+        monkeypatch.setattr(program, "run", lambda *a, _run=program.run, _size=size, **kw: (calls.append(_size),
+                                                                                           _run(*a, **kw))[1])
+    scheduler = Scheduler(engine, n_slots=max(VERIFY_SLOTS), queue_size=0)
+    assert sorted(calls) == sorted(VERIFY_SLOTS)
+    assert all(slot.target.n_past == 0 and slot.target._pending is None for slot in scheduler.slots)
+    calls.clear()
+    Scheduler(engine, n_slots=max(VERIFY_SLOTS), queue_size=0, batch=False)
+    assert calls == []
 
 
 @pytest.mark.parametrize("batch", [True, False])

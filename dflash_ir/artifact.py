@@ -349,5 +349,5 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
         from dflash_ir.runtime.costs import artifact_costs
 
         progress("measuring round costs on this device (once per artifact; the first launch of each kernel size builds it)")
-        engine.costs = artifact_costs(engine, (path / "manifest.yaml").read_text(), be)
+        engine.costs = artifact_costs(engine, (path / "manifest.yaml").read_text(), be, progress)
     return engine

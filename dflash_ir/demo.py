@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     out = cache_dir("demo") / f"{pair.name}-{backend}"
     compile_pair(target, draft, out=out, backend=backend, n_ctx=pair.n_ctx,
                  progress=lambda msg: print(f"dflash-compile: {msg}", flush=True))
-    engine = load_compiled(out)
+    engine = load_compiled(out, progress=lambda msg: print(f"load: {msg}", flush=True))
     # warm-up: the first call at each size after a load loads its kernels (PoCL: from its disk
     # cache, tens of ms each), which no timed run should pay: a short answer decoded, and
     # drafted with round lengths from 1 to n_max

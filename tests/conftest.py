@@ -128,7 +128,7 @@ def _cost_cache(tmp_path_factory):
     PoCL cache. tests/runtime/test_costs.py and tests/backends/test_first_launches.py run it."""
     mp = pytest.MonkeyPatch()
     mp.setenv("DFLASH_IR_COST_CACHE", str(tmp_path_factory.mktemp("costs")))
-    mp.setattr(costs, "run_every_size", lambda target, draft: None)
+    mp.setattr(costs, "run_every_size", lambda target, draft, progress=None: None)
     yield
     mp.undo()
 

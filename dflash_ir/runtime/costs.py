@@ -53,7 +53,8 @@ class SpecCosts:
                 f"verify of k rows (ms) {steps}")
 
 
-def measure_round_costs(target: TargetRunner, draft: DraftRunner) -> SpecCosts:
+def measure_round_costs(target: TargetRunner, draft: DraftRunner,
+                        progress: Callable[[str], None] = lambda msg: None) -> SpecCosts:
     """Times the calls in the order generation makes them, since a call after another program
     or size can cost several times a repeated one (PoCL): decode steps back to back, and for
     each k a draft block followed by a verify of k rows, one untimed pair then TIMED pairs.
@@ -65,7 +66,7 @@ def measure_round_costs(target: TargetRunner, draft: DraftRunner) -> SpecCosts:
     if context < 1:
         raise ValueError(f"measuring costs needs a context of more than {B + TIMED + 1} tokens, this engine "
                          f"has {target.n_ctx}: compile with a larger one, or load with measure_costs=False")
-    run_every_size(target, draft)
+    run_every_size(target, draft, progress)
     _reset(target, draft)
     features = target.prefill(np.zeros(context, np.int32)).device_features  # valid until the next prefill
     draft.inject(features)
@@ -85,11 +86,12 @@ def measure_round_costs(target: TargetRunner, draft: DraftRunner) -> SpecCosts:
     return SpecCosts(tuple(float(v) for v in verify), min(decode), float(np.median(drafts)))
 
 
-def run_every_size(target: TargetRunner, draft: DraftRunner) -> None:
+def run_every_size(target: TargetRunner, draft: DraftRunner, progress: Callable[[str], None] = lambda msg: None) -> None:
     """One call of every kind at every row count n = 1..B that generation makes: a prompt
     of n tokens, a verify of n rows and the commit of all n, an inject of n rows (after a
     verify or a run of decode steps; longer runs fall in the largest row bucket, as prompts
-    do) and a draft block; a decode step. Results are dropped; leaves both runners reset."""
+    do) and a draft block; a decode step. Results are dropped; leaves both runners reset;
+    `progress` hears of every fourth row count."""
     B = draft.block_size
     _reset(target, draft)
     width = target.prefill(np.zeros(1, np.int32)).features.shape[-1]
@@ -106,6 +108,8 @@ def run_every_size(target: TargetRunner, draft: DraftRunner) -> None:
         if n <= draft.n_ctx:
             draft.inject(np.zeros((n, width), np.float32))
             draft.propose(0)
+        if n % 4 == 0 or n == B:
+            progress(f"first calls of every program: row counts 1-{n} of {B} done")
     _reset(target, draft)
 
 
@@ -120,10 +124,10 @@ def _reset(target: TargetRunner, draft: DraftRunner) -> None:
     draft.reset()
 
 
-def artifact_costs(engine, manifest_text: str, backend) -> SpecCosts:
+def artifact_costs(engine, manifest_text: str, backend, progress: Callable[[str], None] = lambda msg: None) -> SpecCosts:
     """The engine's round costs on `backend`'s device: cached, else measured now."""
     device = f"{backend.name}: {backend.device_description()} ({backend.profile()} profile, {os.cpu_count()} host CPUs)"
-    return cached_costs(manifest_text, device, lambda: measure_round_costs(engine.target, engine.draft))
+    return cached_costs(manifest_text, device, lambda: measure_round_costs(engine.target, engine.draft, progress))
 
 
 def cost_cache_dir() -> Path:

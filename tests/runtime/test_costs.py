@@ -29,8 +29,10 @@ def test_measurement_first_runs_every_row_count_a_generation_gives_each_program(
     for runner, kind in ((engine.target, "prefill"), (engine.target, "verify"), (engine.draft, "inject")):
         _record(runner, kind, rows, len)
     _record(engine.target, "commit", rows, int)
-    measure_round_costs(engine.target, engine.draft)
+    said = []
+    measure_round_costs(engine.target, engine.draft, said.append)
     B = engine.draft.block_size
+    assert said == [f"first calls of every program: row counts 1-{n} of 16 done" for n in (4, 8, 12, 16)]
     for kind in ("prefill", "verify", "commit", "inject"):
         assert set(rows[kind]) >= set(range(1, B + 1)), kind
     timed_context = rows["prefill"].index(costs_module.MEASURE_CONTEXT)  # the timed calls come after it
@@ -86,9 +88,9 @@ def test_load_measures_once_per_artifact_and_device(tiny_pair, tmp_path, monkeyp
     monkeypatch.setenv("DFLASH_IR_COST_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def counted(target, draft, **kw):
+    def counted(target, draft, progress):
         calls.append(1)
-        return measure(target, draft)
+        return measure(target, draft, progress)
 
     measure = costs_module.measure_round_costs
     monkeypatch.setattr(costs_module, "measure_round_costs", counted)

@@ -91,23 +91,21 @@ def run_every_size(target: TargetRunner, draft: DraftRunner, progress: Callable[
     of n tokens, a verify of n rows and the commit of all n, an inject of n rows (after a
     verify or a run of decode steps; longer runs fall in the largest row bucket, as prompts
     do) and a draft block; a decode step. Results are dropped; leaves both runners reset;
-    `progress` hears of every fourth row count."""
+    `progress` hears of every fourth row count. Needs a context of B tokens or more."""
     B = draft.block_size
     _reset(target, draft)
     width = target.prefill(np.zeros(1, np.int32)).features.shape[-1]
     target.decode(0)
     for n in range(1, B + 1):
-        if target.n_past + 2 * n > target.n_ctx:
-            target.reset()
-        if target.n_past + 2 * n <= target.n_ctx:
-            target.prefill(np.zeros(n, np.int32))
-            target.verify(np.zeros(n, np.int32))
-            target.commit(n)
+        for call in (lambda: target.prefill(np.zeros(n, np.int32)),
+                     lambda: (target.verify(np.zeros(n, np.int32)), target.commit(n))):
+            if target.n_past + n > target.n_ctx:
+                target.reset()
+            call()
         if draft.ctx_len + n > draft.n_ctx:
             draft.reset()
-        if n <= draft.n_ctx:
-            draft.inject(np.zeros((n, width), np.float32))
-            draft.propose(0)
+        draft.inject(np.zeros((n, width), np.float32))
+        draft.propose(0)
         if n % 4 == 0 or n == B:
             progress(f"first calls of every program: row counts 1-{n} of {B} done")
     _reset(target, draft)

@@ -21,10 +21,13 @@ def test_measurement_times_every_call_of_a_round_and_leaves_the_runners_reset(ti
     assert engine.target.n_past == 0 and engine.draft.ctx_len == 0
 
 
-def test_measurement_first_runs_every_row_count_a_generation_gives_each_program(tiny_pair, monkeypatch):
-    """A prompt, a verify and its commit, an inject: each at 1..B rows (B = 16), before the timing."""
+@pytest.mark.parametrize("arch, n_ctx", [("qwen35", 64), ("qwen35moe", 20), ("llama", 24)])
+def test_measurement_first_runs_every_row_count_a_generation_gives_each_program(tiny_pair, monkeypatch, arch, n_ctx):
+    """A prompt, a verify and its commit (qwen35's replays recurrent rows, llama's has nothing
+    to do), an inject: each at 1..B rows (B = 16), before the timing; in the smallest context
+    a measurement takes too."""
     monkeypatch.setattr(costs_module, "run_every_size", run_every_size)  # the suite leaves it out (conftest)
-    engine = open_engine(*tiny_pair("qwen35"), n_ctx=64)
+    engine = open_engine(*tiny_pair(arch), n_ctx=n_ctx)
     rows = defaultdict(list)
     for runner, kind in ((engine.target, "prefill"), (engine.target, "verify"), (engine.draft, "inject")):
         _record(runner, kind, rows, len)
@@ -35,8 +38,9 @@ def test_measurement_first_runs_every_row_count_a_generation_gives_each_program(
     assert said == [f"first calls of every program: row counts 1-{n} of 16 done" for n in (4, 8, 12, 16)]
     for kind in ("prefill", "verify", "commit", "inject"):
         assert set(rows[kind]) >= set(range(1, B + 1)), kind
-    timed_context = rows["prefill"].index(costs_module.MEASURE_CONTEXT)  # the timed calls come after it
-    assert set(rows["prefill"][:timed_context]) == set(range(1, B + 1))
+    *first, timed_context = rows["prefill"]  # the timed calls come after the prefill of their context
+    assert set(first) == set(range(1, B + 1))
+    assert timed_context == min(costs_module.MEASURE_CONTEXT, n_ctx - B - costs_module.TIMED - 1)
     assert engine.target.n_past == 0 and engine.draft.ctx_len == 0
 
 

@@ -4,7 +4,6 @@ interpreter computes."""
 import numpy as np
 
 from dflash_ir.backends.lowering import lower
-from dflash_ir.backends.opencl import CLDevice
 from dflash_ir.backends.runner import DeviceProgram, Resident
 from dflash_ir.benchmark.kernels import gdn_case
 from dflash_ir.builder import GraphBuilder
@@ -16,8 +15,8 @@ from dflash_ir.program import DeviceArray
 class CountingDevice:
     """A CLDevice that counts the bytes crossing the host boundary."""
 
-    def __init__(self):
-        self.inner = CLDevice()
+    def __init__(self, inner):
+        self.inner = inner
         self.memory = self.inner.memory
         self.uploaded = self.downloaded = 0
 
@@ -43,8 +42,7 @@ def _gdn(opencl, tmp_path):
     """A 5-row gated delta rule that updates its state."""
     case = gdn_case("gdn", 5, hk=2, hv=4, dk=16, dv=16)
     graph = case.graph
-    opencl.compile(graph, tmp_path)  # builds the kernels into the process's library
-    device = CountingDevice()
+    device = CountingDevice(opencl.device_for(opencl.compile(graph, tmp_path), tmp_path))  # as a load does
     return case, graph, DeviceProgram(graph, lower(graph, opencl.profile()), device, lambda w: None, Resident()), device
 
 
@@ -80,8 +78,7 @@ def test_kept_outputs_stay_on_the_device_and_feed_another_program(opencl, tmp_pa
     b = GraphBuilder("consumer")
     b.output("y", b.neg(b.input("x", DType.F32, ("S", *host.shape[1:]))))
     consumer = b.build()
-    opencl.compile(consumer, tmp_path)
-    device = CountingDevice()
+    device = CountingDevice(opencl.device_for(opencl.compile(consumer, tmp_path), tmp_path))
     other = DeviceProgram(consumer, lower(consumer, opencl.profile()), device, lambda w: None, Resident())
     y = other.run({"x": kept[1:4]}).outputs["y"]
     assert device.uploaded == 0

@@ -30,7 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from dflash_ir.quant import COLS, TILED_BLOCK_TYPES, cols16_layout, pack_blocks_cols16, pack_q8_0_cols16, storage_shape
+from dflash_ir.quant import (COLS, DP4_TYPES, TILED_BLOCK_TYPES, cols16_layout, pack_blocks_cols16, pack_blocks_cols16_dp4,
+                             pack_q8_0_cols16, storage_shape)
 from dflash_ir.types import TensorType
 
 from .kir.ir import Kernel
@@ -48,7 +49,8 @@ def as_stored(storage: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 # layout, into `out` when given
 LAYOUTS = {"q8_0_cols16": pack_q8_0_cols16, "q8_0_cols16_dp4": functools.partial(pack_q8_0_cols16, dp4=True),
            "as_stored": as_stored} | {
-    cols16_layout(d): functools.partial(pack_blocks_cols16, dtype=d) for d in TILED_BLOCK_TYPES}
+    cols16_layout(d): functools.partial(pack_blocks_cols16, dtype=d) for d in TILED_BLOCK_TYPES} | {
+    cols16_layout(d, dp4=True): functools.partial(pack_blocks_cols16_dp4, dtype=d) for d in DP4_TYPES}
 # rows of a matrix each layout packs together: a run of whole units packs on its own
 _ROW_UNIT = {name: 1 if name == "as_stored" else COLS for name in LAYOUTS}
 PART_BYTES = 8 << 20  # the most of a weight the runner reads and packs at once

@@ -9,6 +9,7 @@ Leading dims are free, so any row selection of a storage array is itself a valid
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -137,6 +138,28 @@ def _decode_blocks(storage: np.ndarray, dtype: DType) -> np.ndarray:
     return values.reshape(*storage.shape[:-1], -1)  # every value depends on i: a new [..., nb, block] array
 
 
+# weight types whose products take Q8_0 activations in the `q8` numerics mode: llama.cpp's
+# vec_dot_type for these is Q8_0 (Q8_1 for Q4_1 / Q5_1: the same quants, plus each block's sum)
+Q8_X_TYPES = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1)
+
+
+def block_parts(storage: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A 32-element block type's (Q8_X_TYPES) storage [..., nb * block_bytes] as its parts:
+    scales f32 [..., nb], integer codes as exact f32 [..., nb, 32] and offsets f32 [..., nb]
+    (None for types without), so that value = scale * code [+ offset] per element."""
+    bb = dtype.block_bytes
+    blocks = np.asarray(storage).view(np.uint8).reshape(*storage.shape[:-1], storage.shape[-1] // bb, bb)
+    if dtype is DType.Q8_0:
+        d = np.ascontiguousarray(blocks[..., :_Q8_0_SCALE_BYTES]).view(np.float16)[..., 0].astype(np.float32)
+        return d, blocks[..., _Q8_0_SCALE_BYTES:].view(np.int8).astype(np.float32), None
+    fmt, r = DECODERS[dtype], _BlockReader(blocks)
+    if fmt.sub != 32 or dtype.block_size != 32:
+        raise ValueError(f"block_parts takes types of one 32-element sub-block per block, not {dtype}")
+    codes = np.broadcast_to(fmt.code(r, np.arange(32, dtype=np.int32)), (*blocks.shape[:-1], 32))
+    offset = None if fmt.offset is None else fmt.offset(r, 0)[..., 0]
+    return fmt.scale(r, 0)[..., 0], np.ascontiguousarray(codes, dtype=np.float32), offset
+
+
 def _round_half_away(v: np.ndarray) -> np.ndarray:
     """C `roundf`: float32 inputs are widened to float64 so adding 0.5 is exact."""
     wide = v.astype(np.float64)
@@ -223,9 +246,27 @@ TILED_BLOCK_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q2_K,
                      DType.Q6_K)
 
 
-def cols16_layout(dtype: DType) -> str:
-    """The name of `dtype`'s CPU-tile pack (backends/plan.LAYOUTS)."""
-    return "q8_0_cols16" if dtype is DType.Q8_0 else f"{dtype.value}_cols16"
+def cols16_layout(dtype: DType, dp4: bool = False) -> str:
+    """The name of `dtype`'s CPU-tile pack (backends/plan.LAYOUTS); `dp4`: the one the tiles
+    read 32-bit words of four codes from (Q8_0, DP4_TYPES)."""
+    return f"{dtype.value}_cols16{'_dp4' if dp4 else ''}"
+
+
+@dataclass(frozen=True)
+class Dp4Words:
+    """How the CPU tiles' integer dot products read a 4- or 5-bit type (pack_blocks_cols16_dp4):
+    its block is `head` bytes of f16 fields (d, and m where it has a min), then 32-bit words:
+    with `qh`, first the fifth bits of its 32 codes, then four words of nibbles (byte i holds
+    code i in its low nibble and code i + 16 in its high one). A code is nibble (| fifth bit
+    << 4) minus `bias`."""
+
+    head: int
+    qh: bool
+    bias: int
+
+
+DP4_TYPES = {DType.Q4_0: Dp4Words(2, False, 8), DType.Q4_1: Dp4Words(4, False, 0),
+             DType.Q5_0: Dp4Words(2, True, 16), DType.Q5_1: Dp4Words(4, True, 0)}
 
 
 def pack_blocks_cols16(storage: np.ndarray, dtype: DType, out: np.ndarray | None = None) -> np.ndarray:
@@ -246,3 +287,23 @@ def pack_blocks_cols16(storage: np.ndarray, dtype: DType, out: np.ndarray | None
     out = _groups_out(out, len(words), (-(-len(words) // COLS), words.shape[1], COLS), "<u2")  # [g, b * w, row]
     _interleave_rows(words, out, axis=2)
     return out.view(np.uint8).reshape(-1)
+
+
+def pack_blocks_cols16_dp4(storage: np.ndarray, dtype: DType, out: np.ndarray | None = None) -> np.ndarray:
+    """pack_blocks_cols16 for the integer dot products of the CPU tiles (DP4_TYPES): a block's
+    f16 fields as 16-bit words side by side, as there, then its 32-bit words side by side, so
+    one 16-wide u32 load holds the same four bytes (four codes' nibbles, or the fifth bits) of
+    16 rows' blocks. The block of group g, block b starts at byte (g * nb + b) * block_bytes * 16,
+    its words at block_bytes' head * 16 past that (a multiple of 4)."""
+    head, nbytes = DP4_TYPES[dtype].head, dtype.block_bytes
+    rows = np.ascontiguousarray(storage, dtype=np.uint8)
+    if rows.ndim > 2:
+        return _stacked(functools.partial(pack_blocks_cols16_dp4, dtype=dtype), rows, out)
+    blocks = rows.reshape(-1, rows.shape[-1] // nbytes, nbytes)                     # [row, b, bytes]
+    groups, nb, wide = -(-len(blocks) // COLS), blocks.shape[1], (nbytes - head) // 4
+    out = _groups_out(out, len(blocks), (groups, nb, nbytes * COLS), np.uint8)
+    _interleave_rows(np.ascontiguousarray(blocks[..., :head]).view("<u2"),
+                     out[..., :head * COLS].view("<u2").reshape(groups, nb, head // 2, COLS), axis=3)
+    _interleave_rows(np.ascontiguousarray(blocks[..., head:]).view("<u4"),
+                     out[..., head * COLS:].view("<u4").reshape(groups, nb, wide, COLS), axis=3)
+    return out.reshape(-1)

@@ -1,31 +1,37 @@
-"""quantize_activations: Q8_0 products take Q8_0 activations (the `q8` numerics mode).
+"""quantize_activations: products over Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights take Q8_0
+activations (the `q8` numerics mode).
 
-Every `matmul_q8_0` and Q8_0 `matmul_group` whose x is f32 reads `quantize_q8_0(x)`
-instead, as llama.cpp's CPU path does: its products become exact integer block sums
-scaled by both blocks' scales (dflash_ir/ops/specialised.py). One x is quantised once
-however many products read it (identical nodes are shared by the rewrite engine).
+Every such `matmul_<type>` and `matmul_group` whose x is f32 reads `quantize_q8_0(x)`
+instead, as llama.cpp's CPU path does for these types: its products become exact integer
+block sums scaled by both blocks' scales (dflash_ir/ops/specialised.py). The K-quants
+(llama.cpp quantises their activations to Q8_K, 256-element blocks) and the codebook types
+keep f32 activations. One x is quantised once however many products read it (identical
+nodes are shared by the rewrite engine).
 Under `exact` numerics (the default) this pass does not run.
 """
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph
+from dflash_ir.ops.specialised import OPS
+from dflash_ir.quant import Q8_X_TYPES
 from dflash_ir.rewrite import P, Rule, rewrite
 
 NUMERICS = ("exact", "q8")
+PRODUCTS = tuple(OPS[d] for d in Q8_X_TYPES)
 
 
 def _quantized(m, emit):
     node = m.root
     x, *rest = (emit.value(name) for name in node.inputs)
-    if x.type.dtype is not DType.F32 or node.attr.get("op", "matmul_q8_0") != "matmul_q8_0":
+    if x.type.dtype is not DType.F32 or node.attr.get("op", node.op) not in PRODUCTS:
         return None
     outs = emit.op(node.op, emit.op("quantize_q8_0", x), *rest, **node.attr)
     return dict(zip(node.outputs, outs if isinstance(outs, tuple) else (outs,)))
 
 
 # (any inputs: a product's x is its first, the weights and residual follow)
-RULES = [Rule("quantize", P(("matmul_q8_0", "matmul_group"), output=None), _quantized)]
+RULES = [Rule("quantize", P((*PRODUCTS, "matmul_group"), output=None), _quantized)]
 
 
 def quantize_activations(graph: Graph) -> Graph:

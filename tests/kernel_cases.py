@@ -27,7 +27,7 @@ from dflash_ir.dtypes import DType
 from dflash_ir.interpreter import Interpreter
 from dflash_ir.ir import Graph, Value
 from dflash_ir.ops.specialised import OPS
-from dflash_ir.quant import quantize
+from dflash_ir.quant import Q8_X_TYPES, quantize
 from quant_blocks import random_blocks
 
 F32, F16, BF16, Q8, I32 = DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32
@@ -183,6 +183,13 @@ for _i, _dt in enumerate(DECODERS):
     _t = (1, 3, 16, 37)[_i % 4]
     case(f"matmul_{_dt}_{_t}_rows", T=_t)(_specialised(OPS[_dt], _dt, "gemv" if _t <= 16 else "gemm", residual=_i == 1,
                                                        k=2 * _dt.block_size if _dt.block_size > 32 else 320, n=19))
+# Q8_0 x (the q8 numerics mode) times every other type of quant.Q8_X_TYPES: integer block sums
+for _dt, _t in zip(Q8_X_TYPES[1:], (1, 3, 20, 37)):
+    case(f"matmul_{_dt}_q8_x_{_t}_rows", T=_t)(_specialised(OPS[_dt], _dt, "gemv" if _t <= 16 else "gemm",
+                                                            residual=_t == 3, q8=True, k=96, n=19))
+case("matmul_group_q4_1_2_rows_q8_x", T=2)(lambda c: c.out(*c.b.matmul_group(
+    c.b.op("quantize_q8_0", c.x("x", ("T", 64))), *(c.w(f"w{i}", (n, 64), DType.Q4_1) for i, n in enumerate((24, 8))),
+    op=OPS[DType.Q4_1], form="gemv", K=64, Ns=(24, 8), layout="q4_1_rowmajor")))
 case("embedding_q6_k", T=5)(lambda c: c.out(c.b.embedding(c.w("table", (7, 256), DType.Q6_K), c.ints("ids", ("T",), 7))))
 case("dequantize_q4_k")(lambda c: c.out(c.b.dequantize(c.w("w", (3, 512), DType.Q4_K))))
 
@@ -213,6 +220,7 @@ for _dt, _t in ((DType.Q4_K, 1), (DType.Q6_K, 3), (DType.Q3_K, 20)):
 case("fused_matmul_norm_swiglu_q4_k_decode")(_fused_matmul(DType.Q4_K, (40, 40), True, "swiglu", k=512, rows=1))
 case("fused_matmul_norm_swiglu_gemm", T=21)(_fused_matmul(Q8, (40, 40), True, "swiglu", form="gemm"))
 case("fused_matmul_swiglu_q8_x", T=5)(_fused_matmul(Q8, (48, 48), False, "swiglu", q8=True))
+case("fused_matmul_swiglu_q5_0_q8_x", T=9)(_fused_matmul(DType.Q5_0, (40, 40), False, "swiglu", q8=True))
 for _dt in (F16, Q8):
     case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
         c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))

@@ -203,3 +203,44 @@ def test_block_cols16_refuses_odd_blocks_and_packs_expert_banks_matrix_by_matrix
     assert all(np.array_equal(packed[e * per:(e + 1) * per], pack_blocks_cols16(bank[e], DType.Q4_K)) for e in range(3))
     into = np.full(packed.size, 0xA5, np.uint8)  # a mapped buffer's old bytes
     assert pack_blocks_cols16(bank, DType.Q4_K, out=into) is into and np.array_equal(into, packed)
+
+@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1])
+def test_block_cols16_dp4_packs_f16_fields_and_32_bit_words_where_the_tiles_read_them(dtype):
+    """Row (16 g + lane)'s block b at byte B = (g * nb + b) * bytes * 16: its f16 field f at
+    B + 32 f + 2 lane, its 32-bit word w (bytes head + 4w ..) at B + 16 head + 64 w + 4 lane."""
+    from dflash_ir.quant import DP4_TYPES, pack_blocks_cols16_dp4
+
+    n, nb, nbytes, head = 21, 3, dtype.block_bytes, DP4_TYPES[dtype].head
+    storage = np.random.default_rng(6).integers(0, 256, (n, nb * nbytes), dtype=np.uint8)
+    packed = pack_blocks_cols16_dp4(storage, dtype)
+    assert packed.size == 32 * nb * nbytes
+    for row in range(32):
+        g, lane = divmod(row, 16)
+        for b in range(nb):
+            block = storage[row, b * nbytes:(b + 1) * nbytes] if row < n else np.zeros(nbytes, np.uint8)
+            at = (g * nb + b) * nbytes * 16
+            for f in range(head // 2):
+                assert bytes(packed[at + 32 * f + 2 * lane:][:2]) == bytes(block[2 * f:2 * f + 2])
+            for w in range((nbytes - head) // 4):
+                assert bytes(packed[at + 16 * head + 64 * w + 4 * lane:][:4]) == bytes(block[head + 4 * w:head + 4 * w + 4])
+
+
+@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1])
+def test_dp4_words_describe_the_block_decoders(dtype):
+    """What the VPDPBUSD tiles assume of each type (quant.DP4_TYPES), checked against its
+    decoder (dflash_ir/blocks.py): the f16 fields are d [and m] and fill `head` bytes, a code is
+    the nibble of byte head + 4 qh + (i mod 16) (low for i < 16) [with bit i of the 32-bit qh
+    at byte head as bit 4] minus `bias`."""
+    from dflash_ir.quant import DP4_TYPES, block_parts
+
+    words = DP4_TYPES[dtype]
+    blocks = np.random.default_rng(7).integers(0, 256, (50, dtype.block_bytes), dtype=np.uint8)
+    blocks[:, :words.head] = np.frombuffer(np.float16([0.5, -2.0][:words.head // 2]).tobytes() * 50, np.uint8).reshape(50, -1)
+    scale, codes, offset = block_parts(blocks.reshape(50, -1), dtype)
+    assert np.all(scale == 0.5) and (offset is None) == (words.head == 2) and (offset is None or np.all(offset == -2.0))
+    qs = blocks[:, words.head + 4 * words.qh:].astype(int)
+    nibbles = np.concatenate([qs & 15, qs >> 4], axis=1)
+    if words.qh:
+        qh = blocks[:, words.head:words.head + 4].copy().view("<u4").astype(np.int64)
+        nibbles |= ((qh >> np.arange(32)) & 1) << 4
+    assert np.array_equal(codes[:, 0], nibbles - words.bias)

@@ -24,7 +24,7 @@ from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, d
 from ..kir.build import Buffer, KernelBuilder
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, SIGMOID, Cols16Loads, q8_row_bytes, weight_at, weight_chunk
-from dflash_ir.quant import COLS_BLOCK_BYTES, TILED_BLOCK_TYPES, cols16_layout
+from dflash_ir.quant import COLS_BLOCK_BYTES, DP4_TYPES, Q8_X_TYPES, TILED_BLOCK_TYPES, cols16_layout
 from .fused import fused_matmul_parts
 from .shapes import FLAT, cdiv, flat_launch, prod
 
@@ -73,15 +73,17 @@ def embedding(ctx: NodeCtx) -> None:
 
 
 def tile_layout(ctx: NodeCtx, x_q8: bool, dtype: DType = DType.Q8_0) -> str:
-    """The pack the CPU tiles read: Q8_0's (the dp4 one where they sum Q8_0 x with VPDPBUSD),
-    or another block type's words side by side."""
-    return "q8_0_cols16_dp4" if x_q8 and "avx512_vnni" in ctx.isa else cols16_layout(dtype)
+    """The pack the CPU tiles read: Q8_0's, or another block type's words side by side; the
+    dp4 one of either where they sum Q8_0 x with VPDPBUSD."""
+    dp4 = x_q8 and "avx512_vnni" in ctx.isa and (dtype is DType.Q8_0 or dtype in DP4_TYPES)
+    return cols16_layout(dtype, dp4)
 
 
 def tiled(x: Value, w: Value) -> bool:
-    """Whether the CPU tiles take x @ wᵀ: Q8_0 weights, or another block type's times f32 x."""
-    dtype = w.type.dtype
-    return dtype is DType.Q8_0 or (dtype in TILED_BLOCK_TYPES and x.type.dtype is DType.F32)
+    """Whether the CPU tiles take x @ wᵀ: Q8_0 weights, another block type's times f32 x, or
+    a Q8_X_TYPES weight's times Q8_0 x."""
+    dtype, x_dtype = w.type.dtype, x.type.dtype
+    return dtype is DType.Q8_0 or (dtype in TILED_BLOCK_TYPES and (x_dtype is DType.F32 or dtype in Q8_X_TYPES))
 
 
 def group_bytes(dtype: DType, k: int) -> int:
@@ -174,8 +176,8 @@ def _gemv_rows(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r
     n: one, or a gate row and an up row whose products are stored as silu(gate) * up.
     `xrow(row)` is the element offset of x's row. With `norm` (weight, eps) x is RMS-
     normalised first: the weight scales x's elements, 1/RMS (computed once per group of
-    rows) the sums. With x_q8 (x in Q8_0 blocks) a block's dot is an exact integer sum of
-    dot4s, scaled by both blocks' scales."""
+    rows) the sums. With x_q8 (x in Q8_0 blocks) a Q8_0 block's dot is an exact integer sum
+    of dot4s, scaled by both blocks' scales; another block type's takes x's values d_x * q."""
     L, S = g.lanes, len(wrows)
     lane, col = kb.lid(0), kb.lid(1)
     if norm:
@@ -215,6 +217,7 @@ def _gemv_rows(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r
             if x_q8:
                 xb = kb.let("xb", (xrow(row) / 32 + c) * Q8_BLOCK)
                 dx = kb.let("dx", x.load(xb / 2, "f16"))
+            if x_q8 and q8:
                 for j, wq in enumerate(values):
                     isum = kb.let(f"isum{j}", 0)
                     with kb.loop("e", 0, 8) as e:
@@ -224,7 +227,10 @@ def _gemv_rows(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r
                 xr = kb.let("xr", xrow(row) + c * g.chunk)
                 xv = kb.array("xv", F32, g.chunk)
                 with kb.loop("e", 0, g.chunk) as e:
-                    xv[e] = x[xr + e] * norm[0][c * g.chunk + e] if norm else x[xr + e]
+                    if x_q8:  # another block type's weight: x's values, d_x * q
+                        xv[e] = dx * cast(F32, x.load(xb + 2 + e, "i8"))
+                    else:
+                        xv[e] = x[xr + e] * norm[0][c * g.chunk + e] if norm else x[xr + e]
                 for j, wv in enumerate(values):
                     s = kb.let(f"s{j}", 0.0)
                     with kb.loop("e", 0, g.chunk) as e:
@@ -447,7 +453,7 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
         span = M if fixed is not None else const(max(rows, WALK_ROWS))
         # a decode's product (not a prefill's one-row bucket) unrolls its block types' elements
         block_span = ctx.block_span if fixed == 1 else 0
-        kb.emit_memoised(_tiles, t, M, rows, per, items, span, layout == "q8_0_cols16_dp4", block_span)
+        kb.emit_memoised(_tiles, t, M, rows, per, items, span, layout.endswith("_dp4"), block_span)
         kb.launch([cdiv(const(t.units), per * items), cdiv(M, span)],
                   when=None if fixed is not None else (M >= lo) & (M <= hi))
 
@@ -527,9 +533,13 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     integer block sums, scaled by both scales; with `dp4` (the weights in the dp4 layout) the
     integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers. Another block `dtype`
     (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, `block_span` elements
-    at a time unrolled (the lowering's, for a decode's product; 0: a loop)."""
+    at a time unrolled (the lowering's, for a decode's product; 0: a loop); with `q8_x` by
+    _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack."""
     V = F32.vec(COLS)
     G = len(groups)
+    if dtype is not DType.Q8_0 and q8_x:
+        (_dp4_block_tile_sums if dp4 else _q8_x_block_tile_sums)(kb, dtype, groups, nb, acc, R, q8_x)
+        return
     if dtype is not DType.Q8_0:
         _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at, block_span)
         return
@@ -606,6 +616,104 @@ def _block_tile_sums(kb: KernelBuilder, dtype: DType, groups: list[tuple[Buffer,
                 else:
                     with kb.loop("e", 0, fmt.sub, unroll=UNROLL) as e:
                         element(blocks, scale, offset, kb.let("i", c * span + e), pos, e, "")
+
+
+def _block_scales(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], b: K) -> tuple[list, list, list]:
+    """Block b of each group of a 32-element block type's pack (either cols16 one: its f16
+    fields are 16-bit words side by side in both): its reader (access.Cols16Loads), its 16
+    scales and its 16 offsets (None without a min)."""
+    fmt = DECODERS[dtype]
+    blocks = [Cols16Loads(w, kb.let(f"at{j}", base / 2 + b * (dtype.block_bytes // 2 * COLS)))
+              for j, (w, base) in enumerate(groups)]
+    scale = [kb.let(f"sc{j}", fmt.scale(blk, 0)) for j, blk in enumerate(blocks)]
+    offset = [kb.let(f"of{j}", fmt.offset(blk, 0)) for j, blk in enumerate(blocks)] if fmt.offset else None
+    return blocks, scale, offset
+
+
+def _q8_x_block_sums(kb: KernelSpec, acc: dict, R: int, G: int, x: Buffer, xb: list[K], dot: dict, xsum: list,
+                     scale: list[K], offset: list | None) -> None:
+    """A block's integer sums (f32 or i32, xsum[r] scalar or as 16 equal lanes) into the f32
+    sums: dot * (d_w * d_x) [+ m_w * (d_x * Σ q_x)]."""
+    V = F32.vec(COLS)
+    for r in range(R):
+        dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
+        xs = kb.let(f"xs{r}", dx * cast(F32.vec(xsum[r].dtype.lanes), xsum[r])) if offset else None
+        for j in range(G):
+            kb.set(acc[r, j], call("fma", cast(V, dot[r, j]), scale[j] * dx, acc[r, j]))
+            if offset:
+                kb.set(acc[r, j], call("fma", offset[j], cast(V, xs), acc[r, j]))
+
+
+def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
+                          R: int, q8_x: tuple[Buffer, list[K]]) -> None:
+    """tile_sums of a Q8_X_TYPES block type's pack (quant.pack_blocks_cols16) over Q8_0 x: per
+    block, each code times x's quant summed exactly (integer-valued f32, below 2^24), and x's
+    quants summed where the type has a min; then _q8_x_block_sums. The same integers as
+    _dp4_block_tile_sums', so the same outputs bit for bit."""
+    fmt, V = DECODERS[dtype], F32.vec(COLS)
+    x, rows = q8_x
+    with kb.loop("b", 0, nb) as b:
+        blocks, scale, offset = _block_scales(kb, dtype, groups, b)
+        xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
+        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(V, 0.0)) for key in acc}
+        xsum = [kb.let(f"xsum{r}", 0.0) for r in range(R)] if offset else []
+        with kb.loop("e", 0, 32, unroll=UNROLL) as e:
+            code = [kb.let(f"w{j}", fmt.code(blk, e)) for j, blk in enumerate(blocks)]
+            for r in range(R):
+                xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + e, "i8")))
+                if offset:
+                    kb.set(xsum[r], xsum[r] + xv)
+                for j in range(len(groups)):
+                    kb.set(dot[r, j], call("fma", code[j], xv, dot[r, j]))
+        _q8_x_block_sums(kb, acc, R, len(groups), x, xb, dot, xsum, scale, offset)
+
+
+NIBBLES = 0x0F0F0F0F
+
+
+def _fifth_bits(bits: K) -> K:
+    """Bits 0..3 of `bits` as bit 4 of bytes 0..3."""
+    return ((bits & 1) | ((bits & 2) << 7) | ((bits & 4) << 14) | ((bits & 8) << 21)) << 4
+
+
+def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
+                         R: int, q8_x: tuple[Buffer, list[K]]) -> None:
+    """_q8_x_block_tile_sums with VPDPBUSD on a 4/5-bit type's dp4 pack
+    (quant.pack_blocks_cols16_dp4): a 32-bit word per lane holds four bytes, whose low nibbles
+    are codes 4w .. 4w+3 and high nibbles codes 16+4w .., so two masks give two words of
+    unsigned codes (the fifth bits ORed in from qh) to multiply with x's signed quants; the
+    code bias (-8, -16) comes off as bias * Σ q_x, that sum taken by the same instruction on
+    bytes of 1."""
+    V, I = F32.vec(COLS), I32.vec(COLS)
+    words = DP4_TYPES[dtype]
+    x, rows = q8_x
+    G = len(groups)
+    with kb.loop("b", 0, nb) as b:
+        blocks, scale, offset = _block_scales(kb, dtype, groups, b)
+        wide = [kb.let(f"wide{j}", (blk.block + words.head // 2 * COLS) / 2) for j, blk in enumerate(blocks)]  # i32
+        qh = [kb.let(f"qh{j}", w.load(wide[j], "i32", COLS)) for j, (w, _) in enumerate(groups)] if words.qh else []
+        xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
+        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, 0)) for key in acc}
+        xsum = [kb.let(f"xsum{r}", cast(I, 0)) for r in range(R)]
+        with kb.loop("k4", 0, 4, unroll=UNROLL) as k4:
+            lo, hi = [], []
+            for j, (w, _) in enumerate(groups):
+                wv = kb.let(f"w{j}", w.load(wide[j] + (k4 + int(words.qh)) * COLS, "i32", COLS))
+                low, high = wv & NIBBLES, (wv >> 4) & NIBBLES
+                if words.qh:
+                    low, high = low | _fifth_bits(qh[j] >> (k4 * 4)), high | _fifth_bits(qh[j] >> (k4 * 4 + 16))
+                lo.append(kb.let(f"lo{j}", low))
+                hi.append(kb.let(f"hi{j}", high))
+            for r in range(R):
+                xl = kb.let(f"xl{r}", cast(I, _q8_words(x, xb[r], k4)))
+                xh = kb.let(f"xh{r}", cast(I, _q8_words(x, xb[r], k4 + 4)))
+                kb.set(xsum[r], dpbusd(dpbusd(xsum[r], cast(I, 0x01010101), xl), cast(I, 0x01010101), xh))
+                for j in range(G):
+                    kb.set(dot[r, j], dpbusd(dpbusd(dot[r, j], lo[j], xl), hi[j], xh))
+        if words.bias:
+            for key in acc:
+                kb.set(dot[key], dot[key] - xsum[key[0]] * words.bias)
+        _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset)
 
 
 def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[list[K], list[K]]:
@@ -784,14 +892,17 @@ def _gemm(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, store: Store, x: B
           x_q8: bool) -> None:
     """Tiled x @ wᵀ: each work-group stages a TILE x TILE block of x rows and of (dequantised)
     w rows per K step in local memory; each thread accumulates a 2x2 patch of outputs.
-    With x_q8 (TILE = one Q8_0 block) the staged values are the int8 quants of x and w and
-    each K step adds an exact integer dot (in f32: |sum| < 2^24) times both scales."""
+    With x_q8 (TILE = one Q8_0 block) and Q8_0 weights the staged values are the int8 quants
+    of x and w and each K step adds an exact integer dot (in f32: |sum| < 2^24) times both
+    scales; other weights take x's values d_x * q."""
     N, K_, P = dim(n), dim(k), TILE + 1  # padded rows avoid local-memory bank conflicts
     per = TILE // THREADS
     tx, ty = kb.let("tx", kb.lid(0)), kb.let("ty", kb.lid(1))
     tid = kb.let("tid", ty * THREADS + tx)
     n0, m0 = kb.let("n0", kb.gid(0) * TILE), kb.let("m0", kb.gid(1) * TILE)
     xs, ws = kb.array("xs", F32, TILE * P, "local"), kb.array("ws", F32, TILE * P, "local")
+    x_values = x_q8 and dtype is not DType.Q8_0
+    x_q8 = x_q8 and not x_values  # from here: the integer path of two Q8_0 operands
     if x_q8:
         xd, wd = kb.array("xd", F32, TILE, "local"), kb.array("wd", F32, TILE, "local")
     acc = kb.array("acc", F32, per * per)
@@ -809,7 +920,8 @@ def _gemm(kb: KernelSpec, dtype: DType, M: K, n: Dim, k: Dim, store: Store, x: B
                 x_value = cast(F32, x.load(block_byte(m, kc) + 2 + kk, "i8"))
                 w_value = cast(F32, w.load(block_byte(nn, kc) + 2 + kk, "i8"))
             else:
-                x_value, w_value = x[cast(I64, m) * K_ + kc], weight_at(dtype, w, nn, kc, k)
+                x_value = weight_at(DType.Q8_0, x, m, kc, k) if x_values else x[cast(I64, m) * K_ + kc]
+                w_value = weight_at(dtype, w, nn, kc, k)
             xs[rr * P + kk] = select((m < M) & (kc < K_), x_value, 0.0)
             ws[rr * P + kk] = select((nn < N) & (kc < K_), w_value, 0.0)
         if x_q8:

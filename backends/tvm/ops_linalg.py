@@ -1,6 +1,6 @@
 """Weight-consuming ops: dequantize, embedding, matmul (f32/f16/bf16/Q8_0 weights read in
 their storage: Q8_0 blocks of an f16 scale + 32 int8 quants), the specialised matmuls
-(optional residual; act_quant quantises x to Q8_0 blocks first, as quantize_row_q8_0) and
+(optional residual; x may be Q8_0 blocks, made by quantize_q8_0 as quantize_row_q8_0) and
 expert_matmul. Products are reduction blocks, which dlight's GEMV / matmul rules schedule."""
 from __future__ import annotations
 
@@ -51,10 +51,13 @@ def matmul(ctx: TVMNodeCtx) -> None:
     m = prod(x.type.shape[:-1])
     K = dim(k)
     product = ctx.temp(ctx.outs[0].type) if res else ctx.outs[0]  # then out = product + residual
-    if x.type.dtype is DType.Q8_0:  # Q8_0 x Q8_0: quants times both blocks' scales
+    if x.type.dtype is DType.Q8_0 and w.type.dtype is DType.Q8_0:  # quants times both blocks' scales
         term = (f"{q8_quant('x', 'row', 'c', k)} * {q8_quant('w', 'col', 'c', k)} * "
                 f"{q8_scale('x', 'row', 'c // 32', k)} * {q8_scale('w', 'col', 'c // 32', k)}")
         _product(ctx, "matmul_q8_0_q8_0", [("x", x, False), ("w", w, False)], m, n, k, term, product)
+    elif x.type.dtype is DType.Q8_0:  # another block type's weight: x's values d_x * q
+        term = f"{weight_at(DType.Q8_0, 'x', 'row', 'c', k)} * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
+        _product(ctx, "matmul_q8_x", [("x", x, False), ("w", w, False)], m, n, k, term, product)
     else:
         term = f"x[row * {K} + c] * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
         cpu = (q8_product(m, n, k) if w.type.dtype is DType.Q8_0 else None) or ""

@@ -8,20 +8,23 @@ what a kernel generator needs without looking at shapes: `form` (gemv for a few 
 gemm for many), the constants K and N, the weight `layout` a backend packs, an optional
 fused `residual` input (out = x @ wᵀ + residual).
 
-A `matmul_q8_0` whose x is itself Q8_0 (made by `quantize_q8_0`, llama.cpp's
-quantize_row_q8_0: per 32-element block an fp16 scale and 32 int8) is llama.cpp's
-Q8_0 x Q8_0 product: each block's dot product is an exact integer sum, scaled by
-d_x * d_w. The integer part does not depend on how a kernel orders it, so a row's result
-does not depend on how many rows share the pass. One matmul stays within 1e-2 of the f32
-path relative to the output's max |value| (about 6e-3 on random data, K = 64..4096); the
-`q8` numerics mode (passes/quantize_activations.py) uses it for every Q8_0 weight.
+A product over a weight of quant.Q8_X_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) whose x is
+itself Q8_0 (made by `quantize_q8_0`, llama.cpp's quantize_row_q8_0: per 32-element block
+an fp16 scale and 32 int8) is llama.cpp's product of such a weight with quantised
+activations: per block, the integer dot of the weight's codes and x's quants, times
+d_w * d_x, plus, for the types with a min (Q4_1, Q5_1), m_w times d_x * (the sum of x's
+quants) (llama.cpp keeps that as Q8_1's `s`, rounded to f16; here it stays f32). The
+integer parts do not depend on how a kernel orders them, so a row's result does not depend
+on how many rows share the pass. One matmul stays within 1e-2 of the f32 path relative to
+the output's max |value| (about 6e-3 on random data, K = 64..4096); the `q8` numerics mode
+(passes/quantize_activations.py) uses it for every weight of those types.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..dtypes import DType
-from ..quant import quantize_q8_0
+from ..quant import Q8_X_TYPES, block_parts, quantize_q8_0
 from ..types import TensorType
 from .linalg import matmul
 from .registry import get_op
@@ -34,7 +37,6 @@ _STORED = (DType.F16, *(d for d in DType if d.is_block))
 LAYOUTS = {d: f"{d.value}_rowmajor" for d in _STORED}
 OPS = {d: f"matmul_{d.value}" for d in _STORED}
 _BLOCK = DType.Q8_0.block_size
-_BLOCK_BYTES = DType.Q8_0.block_bytes
 # weight rows handled at once by the Q8_0 x Q8_0 path (bounds its [blocks, T, rows] temporaries)
 _ROWS = 256
 
@@ -42,8 +44,8 @@ _ROWS = 256
 def _specialised(dtype: DType) -> None:
     def rule(x: TensorType, w: TensorType, residual: TensorType | None = None, *, form, K, N, layout) -> TensorType:
         expect_dtype("w", w, dtype)
-        check(x.dtype is DType.F32 or (x.dtype is DType.Q8_0 and dtype is DType.Q8_0),
-              f"x must be f32{' or q8_0' if dtype is DType.Q8_0 else ''}, got {x}")
+        check(x.dtype is DType.F32 or (x.dtype is DType.Q8_0 and dtype in Q8_X_TYPES),
+              f"x must be f32{' or q8_0' if dtype in Q8_X_TYPES else ''}, got {x}")
         (out,) = get_op("matmul").output_types([TensorType(DType.F32, x.shape), w], {})
         choice_attr("form", form, FORMS)
         check(int_attr("K", K) == w.shape[1] and int_attr("N", N) == w.shape[0],
@@ -54,7 +56,7 @@ def _specialised(dtype: DType) -> None:
         return out
 
     def reference(x, w, residual=None, *, form, K, N, layout):
-        out = _matmul_q8_0_q8_0(x, w) if x.dtype == np.uint8 else matmul(x, w)
+        out = _matmul_q8_x(x, w, dtype) if x.dtype == np.uint8 else matmul(x, w)
         return out if residual is None else np.asarray(out + residual)
 
     reference.__doc__ = (f"x @ wᵀ [+ residual] for a weight w[N, K] stored as {dtype}, read as stored and "
@@ -62,23 +64,20 @@ def _specialised(dtype: DType) -> None:
     defop(OPS[dtype], rule)(reference)
 
 
-def _q8_0_blocks(storage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Scales f32[..., nb] and quants (as exact f32) [..., nb, 32] of Q8_0 storage."""
-    blocks = storage.reshape(*storage.shape[:-1], -1, _BLOCK_BYTES)
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(F32)
-    return d, blocks[..., 2:].view(np.int8).astype(F32)
-
-
-def _matmul_q8_0_q8_0(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Q8_0 x Q8_0: per block an integer dot (exact in f32: |sum| <= 32·127² < 2^24) times d_x·d_w."""
+def _matmul_q8_x(x: np.ndarray, w: np.ndarray, dtype: DType) -> np.ndarray:
+    """Q8_0 x times a weight of Q8_X_TYPES: per block the integer dot of x's quants and w's
+    codes (exact in f32: |sum| <= 32·127² < 2^24) times d_x·d_w, plus m_w·(d_x·Σ q_x) where w
+    has a min."""
     lead = x.shape[:-1]
-    dx, qx = _q8_0_blocks(x.reshape(-1, x.shape[-1]))  # [T, nb], [T, nb, 32]
+    dx, qx, _ = block_parts(x.reshape(-1, x.shape[-1]), DType.Q8_0)  # [T, nb], [T, nb, 32]
     out = np.empty((qx.shape[0], w.shape[0]), dtype=F32)
     qx_b = qx.transpose(1, 0, 2)  # [nb, T, 32]
+    x_sums = dx * qx.sum(axis=-1)  # [T, nb], exact integer sums times d_x
     for start in range(0, w.shape[0], _ROWS):
-        dw, qw = _q8_0_blocks(w[start:start + _ROWS])  # [n, nb], [n, nb, 32]
+        dw, qw, mw = block_parts(w[start:start + _ROWS], dtype)  # [n, nb], [n, nb, 32], [n, nb]
         sums = qx_b @ qw.transpose(1, 2, 0)  # [nb, T, n]
-        out[:, start:start + _ROWS] = np.einsum("btn,tb,nb->tn", sums, dx, dw, dtype=F32)
+        part = np.einsum("btn,tb,nb->tn", sums, dx, dw, dtype=F32)
+        out[:, start:start + _ROWS] = part if mw is None else part + np.einsum("tb,nb->tn", x_sums, mw, dtype=F32)
     return out.reshape(*lead, w.shape[0])
 
 

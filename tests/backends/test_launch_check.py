@@ -141,7 +141,7 @@ def test_packed_bytes_are_what_the_packer_makes(shapes):
     """The extents of packs are computed without packing: they must equal the packer's bytes."""
     for layout, pack in LAYOUTS.items():
         dtype = DType.Q8_0 if layout.startswith("q8_0") or layout == "as_stored" else DType(
-            layout.removesuffix("_cols16"))
+            layout.removesuffix("_dp4").removesuffix("_cols16"))
         types = [TensorType(dtype, (*s[:-1], s[-1] * dtype.block_size)) for s in shapes]
         made = sum(pack(np.zeros(storage_shape(t.shape, t.dtype), np.uint8)).nbytes for t in types)
         assert packed_bytes(types, layout) == made, layout

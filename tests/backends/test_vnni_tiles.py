@@ -1,8 +1,8 @@
-"""The CPU tiles' VPDPBUSD path (backends/opencl.py: Q8_0 x Q8_0 block sums by inline assembly
-on a PoCL CPU device whose host has AVX-512 VNNI): the same integers as the f32 path's, so
-every output is bit-identical with and without it; only Q8_0-x products take it and its
-layout; other printers refuse such a kernel; an artifact that needs it is refused on a CPU
-without it."""
+"""The CPU tiles' VPDPBUSD path (backends/opencl.py: block sums of Q8_0 x with Q8_0, Q4_0,
+Q4_1, Q5_0 or Q5_1 weights by inline assembly on a PoCL CPU device whose host has AVX-512
+VNNI): the same integers as the f32 path's, so every output is bit-identical with and without
+it; only Q8_0-x products take it and its layouts; other printers refuse such a kernel; an
+artifact that needs it is refused on a CPU without it."""
 import numpy as np
 import pytest
 
@@ -29,6 +29,11 @@ def test_only_products_over_q8_0_x_take_the_dp4_layout_and_vpdpbusd():
     assert [layout for _, layout in f32.packs.values()] == ["q8_0_cols16"]
     assert "dpbusd(" not in "".join(PRINTERS["opencl"].kernel_source(k) for k in f32.kernels.values())
     assert [layout for _, layout in lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu").packs.values()] == ["q8_0_cols16"]
+    for name, dtype in (("matmul_q4_1_q8_x_3_rows", "q4_1"), ("matmul_q5_0_q8_x_20_rows", "q5_0")):
+        assert [layout for _, layout in lower(_graph(name), "cpu", isa=VNNI).packs.values()] == [f"{dtype}_cols16_dp4"]
+        assert [layout for _, layout in lower(_graph(name), "cpu").packs.values()] == [f"{dtype}_cols16"]
+    f32_x = lower(_graph("matmul_q4_1_3_rows"), "cpu", isa=VNNI)
+    assert [layout for _, layout in f32_x.packs.values()] == ["q4_1_cols16"]
     with pytest.raises(ValueError, match="unknown instruction set extensions"):
         lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu", isa=frozenset({"amx_int8"}))
 

@@ -52,7 +52,7 @@ def rss_file_bytes() -> int:
 
 def _block_bytes(layout: str) -> int:
     """Bytes of one block of the type a layout packs (a row holds whole blocks)."""
-    return Q8_ROW if layout.startswith("q8_0") else DType(layout.removesuffix("_cols16")).block_bytes
+    return Q8_ROW if layout.startswith("q8_0") else DType(layout.removesuffix("_dp4").removesuffix("_cols16")).block_bytes
 
 
 @pytest.mark.parametrize("shape, dtype", [((40, 4), np.uint8), ((3, 20, 2), np.uint8),  # rows x blocks

@@ -1,4 +1,5 @@
-"""quantize_activations (the q8 numerics mode): Q8_0 products read quantised activations."""
+"""quantize_activations (the q8 numerics mode): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 products read
+quantised activations."""
 import numpy as np
 import pytest
 
@@ -55,6 +56,56 @@ def test_q8_0_times_q8_0_is_integer_block_sums_times_both_scales():
             assert got[r, c] == pytest.approx(want, rel=1e-6)
     exact = get_op("matmul_q8_0").run([x, w], dict(form="gemv", K=k, N=n, layout="q8_0_rowmajor"))[0]
     assert np.abs(got - exact).max() <= 1e-2 * np.abs(exact).max()
+
+
+def test_llama_cpp_q8_activation_types_are_quantised_and_k_quants_keep_f32():
+    """Q4_0 .. Q5_1 products take Q8_0 x as Q8_0's do (llama.cpp: Q8_0 / Q8_1 activations);
+    the K-quants (Q8_K there) and the codebook types keep f32 x."""
+    from dflash_ir.builder import GraphBuilder
+    from dflash_ir.passes.specialise_matmul import specialise_matmul
+
+    b = GraphBuilder("mix")
+    x = b.input("x", DType.F32, (3, 256))
+    types = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q6_K, DType.IQ4_NL)
+    for i, dtype in enumerate(types):
+        b.output(f"o{i}", b.matmul(x, b.dequantize(b.weight(f"w{i}", dtype, (16, 256)))))
+    out = quantize_activations(specialise_matmul(b.build()))
+    values = out.values()
+    x_dtype = {values[n.inputs[1]].type.dtype: values[n.inputs[0]].type.dtype for n in out.nodes if n.op.startswith("matmul_")}
+    assert x_dtype == {d: DType.Q8_0 if i < 5 else DType.F32 for i, d in enumerate(types)}
+    assert out.op_counts()["quantize_q8_0"] == 1
+
+
+@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1])
+def test_q8_0_x_times_a_4_or_5_bit_weight_is_integer_sums_times_scales_plus_the_min_term(dtype):
+    """The reference against Python ints per block: Σ code·q_x · d_w·d_x [+ m_w · d_x·Σ q_x],
+    codes and scales from gguf-py's dequantisation (value = d·code + m)."""
+    from gguf import GGMLQuantizationType as GT
+    from gguf import quants
+
+    from quant_blocks import random_blocks
+
+    rng = np.random.default_rng(5)
+    k, n = 96, 4
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    w = random_blocks(rng, (n, k), dtype)
+    xq = quantize(x, DType.Q8_0)
+    got = get_op(f"matmul_{dtype.value}").run([xq, w], dict(form="gemv", K=k, N=n, layout=f"{dtype.value}_rowmajor"))[0]
+    raw = w.view(np.uint8).reshape(n, k // 32, dtype.block_bytes)
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if dtype in (DType.Q4_1, DType.Q5_1) else 0 * d
+    values = quants.dequantize(raw.reshape(n, -1), GT[dtype.name]).reshape(n, k // 32, 32).astype(np.float64)
+    codes = np.rint((values - m[..., None]) / d[..., None]).astype(int)
+    xb = xq.reshape(2, k // 32, 34)
+    dx = xb[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    qx = xb[..., 2:].view(np.int8).astype(int)
+    for r in range(2):
+        for c in range(n):
+            want = sum(float((codes[c, b] * qx[r, b]).sum()) * d[c, b] * dx[r, b] + m[c, b] * dx[r, b] * float(qx[r, b].sum())
+                       for b in range(k // 32))
+            assert got[r, c] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    exact = get_op(f"matmul_{dtype.value}").run([x, w], dict(form="gemv", K=k, N=n, layout=f"{dtype.value}_rowmajor"))[0]
+    assert np.abs(got - exact).max() <= 2e-2 * np.abs(exact).max()
 
 
 def test_numerics_mode_adds_the_pass_and_rejects_unknown_modes():

@@ -264,14 +264,17 @@ class Scheduler:
             self._own_others(set(slots[i:]))  # the slots before this one have committed
             self._advance(slot, out)
 
+    # a job's answer is delivered after its slot is released: a client that has it finds the
+    # slot free and the request counted (metrics, /slots)
     def _fail(self, slot: Slot, message: str) -> None:
-        slot.job.deliver(Failed(message))
+        job = slot.job
         self._release(slot, "failed")
+        job.deliver(Failed(message))
 
     def _finish(self, slot: Slot) -> None:
-        ending = self._ending(slot)
-        slot.job.deliver(ending)
+        job, ending = slot.job, self._ending(slot)
         self._release(slot, "finished", ending)
+        job.deliver(ending)
 
     @staticmethod
     def _ending(slot: Slot) -> Finished:

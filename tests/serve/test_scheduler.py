@@ -207,3 +207,18 @@ def test_zero_tokens_reads_the_prompt_only(engine, prompt_ids):
     (end,) = rec.ends(0)
     assert rec.tokens(0) == [] and isinstance(end, Finished)
     assert (end.stats.prompt_tokens, end.stats.generated_tokens) == (len(prompt_ids[0]), 0)
+
+
+def test_a_jobs_end_is_delivered_once_its_slot_is_free(engine, prompt_ids):
+    """The HTTP answer goes out when the end is delivered: a client that has it must find the
+    slot free and the request no longer processing (llama-server's /metrics, /slots)."""
+    scheduler = Scheduler(engine, n_slots=1, queue_size=1)
+    busy_at_end = []
+
+    def deliver(event):
+        if isinstance(event, (Finished, Failed)):
+            busy_at_end.append((type(event).__name__, scheduler.busy_slots))
+    scheduler.submit(Job(list(prompt_ids[0]), {"ignore_eos": True, "max_tokens": 5}, deliver))
+    scheduler.submit(Job(list(prompt_ids[1]), {"ignore_eos": True, "max_tokens": 5, "n_max": 99}, deliver))
+    run_all(scheduler)
+    assert busy_at_end == [("Finished", 0), ("Failed", 0)]

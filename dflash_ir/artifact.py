@@ -310,7 +310,8 @@ def load_graphs(path: Path, manifest: dict) -> dict:
 def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None, measure_costs: bool = True,
                   digest: str | None = None, sources: str = "fast", progress: Callable[[str], None] = lambda msg: None):
     """Verify an artifact and return a ready Engine; with a draft and `measure_costs`, the
-    engine knows its round costs on this device (runtime/costs.py: measured once, cached).
+    engine knows its round costs on this device (runtime/costs.py: measured once, cached) and
+    starts from the acceptance its draft showed in the last process that used the artifact.
     `digest` pins the artifact's root digest; `sources` is how the source GGUFs are checked,
     "fast" or "strict" (dflash_ir/integrity.py); `progress` gets a line per stage, the
     memory needed before anything is allocated, and the weights' upload every tenth."""
@@ -346,8 +347,10 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
                          info={"artifact": str(path), "backend": manifest["backend"], "sources": manifest["sources"],
                                "memory_need": need})
     if measure_costs and engine.draft is not None:
-        from dflash_ir.runtime.costs import artifact_costs
+        from dflash_ir.runtime.costs import acceptance_file, artifact_costs
 
         progress("measuring round costs on this device (once per artifact; the first launch of each kernel size builds it)")
-        engine.costs = artifact_costs(engine, (path / "manifest.yaml").read_text(), be, progress)
+        manifest_text = (path / "manifest.yaml").read_text()
+        engine.costs = artifact_costs(engine, manifest_text, be, progress)
+        engine.remember_acceptance(acceptance_file(manifest_text))
     return engine

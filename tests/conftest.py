@@ -1,6 +1,7 @@
 """Shared fixtures: the oracle fixture folder and cached, verified decompressions of its GGUFs."""
 from __future__ import annotations
 
+import itertools
 import signal
 from pathlib import Path
 
@@ -125,10 +126,15 @@ def _cost_cache(tmp_path_factory):
     """Round costs measured at load (dflash_ir/runtime/costs.py) are cached for the session
     only, and measured without first running every program at every row count
     (`run_every_size`): that builds kernels a test never launches, seconds each on a cold
-    PoCL cache. tests/runtime/test_costs.py and tests/backends/test_first_launches.py run it."""
+    PoCL cache. tests/runtime/test_costs.py and tests/backends/test_first_launches.py run it.
+    Each load keeps its learned acceptance in a file of its own, so no test starts from what
+    another one's generations taught the controller (tests/runtime/test_controller.py covers
+    the recall)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("DFLASH_IR_COST_CACHE", str(tmp_path_factory.mktemp("costs")))
     mp.setattr(costs, "run_every_size", lambda target, draft, progress=None: None)
+    loads, acceptance = itertools.count(), tmp_path_factory.mktemp("acceptance")
+    mp.setattr(costs, "acceptance_file", lambda artifact: acceptance / f"load-{next(loads)}.json")
     yield
     mp.undo()
 

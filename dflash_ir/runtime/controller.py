@@ -14,6 +14,10 @@ by DECAY per round, so the estimates follow the text being generated.
 
 A round takes the k in 0..n_max with the highest rate (the shortest on a tie).
 
+What one controller learns of the draft's acceptance can seed the next one (`learned`,
+`recall`): the engine keeps it beside the artifact's costs, so a process that loads the pair
+again starts from the acceptance its draft last showed instead of PRIOR_ACCEPT.
+
 Decoding verifies nothing, so while it decodes the engine drafts in the shadow now and then:
 it runs the draft block once and scores its proposals against the tokens the target then
 decodes, one per step, which is what a verify would have accepted, at the cost of a draft
@@ -138,6 +142,25 @@ class LengthController:
         """Charge a shadow draft's real time to the credit: the draft block and the injects
         of the decoded rows it waited for (a table's draft time leaves those out)."""
         self.credit -= seconds
+
+    def learned(self) -> dict:
+        """The acceptance observations so far (faded as they are): what a controller of the same
+        pair starts from in a later process (`recall`), rather than from the prior alone."""
+        return {"trials": self.trials.tolist(), "hits": self.hits.tolist()}
+
+    def recall(self, learned: dict) -> bool:
+        """Take `learned` (another controller's `learned()`) as this one's observations; False,
+        and nothing taken, where it does not describe this block size (B-1 positions of
+        0 <= hits <= trials <= 1 / (1 - DECAY), the most DECAY leaves)."""
+        try:
+            trials, hits = (np.array(learned[key], dtype=float) for key in ("trials", "hits"))
+        except (KeyError, TypeError, ValueError):
+            return False
+        fits = (trials.shape == hits.shape == self.trials.shape and np.all(np.isfinite(trials))
+                and np.all((0 <= hits) & (hits <= trials) & (trials <= 1 / (1 - DECAY) + 1e-9)))
+        if fits:
+            self.trials, self.hits = trials, hits
+        return bool(fits)
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Record a round that verified `proposed` proposals and accepted `accepted`."""

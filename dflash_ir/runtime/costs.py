@@ -134,6 +134,13 @@ def cost_cache_dir() -> Path:
     return Path.home() / ".cache" / "dflash-ir" / "costs"
 
 
+def acceptance_file(artifact: str) -> Path:
+    """Where the acceptance a controller learned on `artifact` (its manifest text) is kept
+    between processes (controller.LengthController.learned): beside its costs, keyed by the
+    artifact alone, since acceptance belongs to the pair and the text, not to the device."""
+    return cost_cache_dir() / f"acceptance-{hashlib.sha256(artifact.encode()).hexdigest()[:32]}.json"
+
+
 def cached_costs(artifact: str, device: str, measure: Callable[[], SpecCosts], *,
                  folder: Path | None = None) -> SpecCosts:
     """The costs recorded for (`artifact`, `device`), else `measure()`'s, recorded for next time.

@@ -24,8 +24,11 @@ learns the draft's acceptance without paying for a verify.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Generator, Iterator, Sequence
 
 import numpy as np
@@ -64,6 +67,7 @@ class Engine:
         self.chat_template = chat_template
         self.n_max = n_max
         self.info = info or {}
+        self.acceptance_file: Path | None = None  # where the controller's acceptance is kept (remember_acceptance)
         self.costs = costs
         self.last_stats: GenerationStats | None = None
         self.last_rounds: list[dict] = []  # per round of the last generation: anchor_pos, anchor, proposals, accepted
@@ -78,6 +82,35 @@ class Engine:
     def costs(self, costs: SpecCosts | None) -> None:
         self._costs = costs
         self.controller = LengthController(costs) if costs is not None else None
+        self._recall_acceptance()
+
+    def remember_acceptance(self, path: Path) -> None:
+        """Keep what the controller learns of the draft's acceptance in `path` (JSON) across
+        processes: recalled now and by a controller made for new costs, written after each
+        generation. A file that cannot be read as one is ignored, and replaced at the next write."""
+        self.acceptance_file = Path(path)
+        self._recall_acceptance()
+
+    def _recall_acceptance(self) -> None:
+        if self.controller is None or self.acceptance_file is None:
+            return
+        try:
+            learned = json.loads(self.acceptance_file.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(learned, dict):
+            self.controller.recall(learned)
+
+    def _keep_acceptance(self) -> None:
+        if self.controller is None or self.acceptance_file is None or not self.controller.trials.any():
+            return
+        tmp = self.acceptance_file.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            self.acceptance_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.controller.learned()))
+            os.replace(tmp, self.acceptance_file)
+        except OSError:  # a cache that cannot be written costs the next process its head start only
+            tmp.unlink(missing_ok=True)
 
     @property
     def n_ctx(self) -> int:
@@ -143,14 +176,21 @@ class Engine:
         finally:
             steps.close()
 
-    def steps(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
-              sampling: SamplingParams = SamplingParams(), speculative: bool = True, n_max: int | None = None,
-              stop: Sequence[str] = (), ignore_eos: bool = False, enable_thinking: bool = True,
-              adaptive: bool | None = None) -> Generator[list[int] | VerifyBlock, TargetOutput | None, None]:
+    def steps(self, prompt: str | None = None, **kw) -> Generator[list[int] | VerifyBlock, TargetOutput | None, None]:
         """`iter_tokens`, with each round's verify left to the caller: besides the committed
         tokens it yields a `VerifyBlock`, and expects `send` to answer it with the target's
         output for that block, as `self.target.verify` gives it (dflash-serve verifies the
-        blocks of several sequences in one pass)."""
+        blocks of several sequences in one pass). Keywords as `_steps`'. When it ends, the
+        acceptance the controller learned is kept (`remember_acceptance`)."""
+        try:
+            yield from self._steps(prompt, **kw)
+        finally:
+            self._keep_acceptance()
+
+    def _steps(self, prompt: str | None = None, *, messages=None, prompt_ids=None, max_tokens: int = 128,
+               sampling: SamplingParams = SamplingParams(), speculative: bool = True, n_max: int | None = None,
+               stop: Sequence[str] = (), ignore_eos: bool = False, enable_thinking: bool = True,
+               adaptive: bool | None = None) -> Generator[list[int] | VerifyBlock, TargetOutput | None, None]:
         ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(prompt, messages=messages,
                                                                                 enable_thinking=enable_thinking)
         if speculative and self.draft is None:

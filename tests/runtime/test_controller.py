@@ -1,10 +1,12 @@
 """The cost-aware length (runtime/controller.py): its choice against hand-derived expectations
 for given costs and acceptance, and speculative output equal to target-only output whatever
 it chooses, on drafts that agree on 0, 5 or 15 proposals per round."""
+import json
+
 import pytest
 
 from dflash_ir.artifact import open_engine
-from dflash_ir.runtime.controller import EXPLORE, FORGET, REFRESH, STEP, TRACK, LengthController
+from dflash_ir.runtime.controller import EXPLORE, FORGET, PRIOR_ACCEPT, REFRESH, STEP, TRACK, LengthController
 from dflash_ir.runtime.costs import SpecCosts
 
 MS = 1e-3
@@ -252,3 +254,49 @@ def test_shadow_drafts_are_paid_from_the_decode_time_observed():
     first two calls are done, one comes every 4 / 0.03 = 133 steps."""
     c = LengthController(_costs(lambda r: 5, decode=30, draft=4))
     assert _shadows(c, 200, took=4 * MS, step_seconds=1 * MS).count(True) <= 3
+
+
+def test_a_controller_starts_from_the_acceptance_an_earlier_one_learned(agreeing_pair, tmp_path):
+    """A draft that is never right, verify cheap: a fresh controller believes the prior and
+    speculates until its rounds teach it otherwise; an engine loaded later with the first one's
+    acceptance file decodes from its first step (drafting in the shadow) and the output stays
+    target-only's."""
+    memory = tmp_path / "acceptance.json"
+    runs = []
+    for _ in range(2):
+        engine = open_engine(*agreeing_pair("qwen35", 0), n_ctx=128)
+        plain = engine.generate(prompt_ids=PROMPT, max_tokens=40, speculative=False, ignore_eos=True).tokens
+        engine.costs = CHEAP_VERIFY
+        engine.controller.track = False
+        engine.remember_acceptance(memory)
+        recalled = engine.controller.acceptance()
+        gen = engine.generate(prompt_ids=PROMPT, max_tokens=40, ignore_eos=True)
+        assert gen.tokens == plain
+        runs.append((recalled, gen.stats.lengths, engine.controller.learned()))
+    (fresh, first, learned), (recalled, second, _) = runs
+    assert fresh.tolist() == [PRIOR_ACCEPT] * 15 and first[0] > 0
+    expected = LengthController(CHEAP_VERIFY)
+    assert expected.recall(learned) and recalled.tolist() == expected.acceptance().tolist()
+    assert second[0] == 0 and set(second) == {0}
+
+
+@pytest.mark.parametrize("learned", [{"trials": [1.0] * 3, "hits": [0.0] * 3},           # another block size
+                                     {"trials": [1.0] * 15, "hits": [2.0] * 15},          # hits > trials
+                                     {"trials": [float("nan")] * 15, "hits": [0.0] * 15},
+                                     {"trials": [30.0] * 15, "hits": [0.0] * 15},         # more than DECAY leaves
+                                     {"trials": "x", "hits": [0.0] * 15}, {"hits": [0.0] * 15}])
+def test_recall_takes_nothing_that_does_not_fit(learned):
+    c = LengthController(CHEAP_VERIFY)
+    assert not c.recall(learned)
+    assert c.acceptance().tolist() == [PRIOR_ACCEPT] * 15 and not c.trials.any()
+
+
+def test_an_unreadable_acceptance_file_is_ignored_then_replaced(agreeing_pair, tmp_path):
+    memory = tmp_path / "acceptance.json"
+    memory.write_text("{not json")
+    engine = open_engine(*agreeing_pair("qwen35", 0), n_ctx=96)
+    engine.costs = CHEAP_VERIFY
+    engine.remember_acceptance(memory)
+    assert engine.controller.acceptance().tolist() == [PRIOR_ACCEPT] * 15
+    engine.generate(prompt_ids=PROMPT, max_tokens=20, ignore_eos=True)
+    assert json.loads(memory.read_text()) == engine.controller.learned()

@@ -110,3 +110,27 @@ def test_load_measures_once_per_artifact_and_device(tiny_pair, tmp_path, monkeyp
     monkeypatch.setattr(NumpyBackend, "device_description", lambda self: "another host")
     load_compiled(art, load_tokenizer=False)
     assert len(calls) == 3
+
+
+def test_a_load_recalls_the_acceptance_kept_for_its_artifact_on_any_device(tiny_pair, tmp_path, monkeypatch):
+    """The acceptance file is costs.acceptance_file(manifest text): under the cost cache, one per
+    artifact whatever the device (tests/conftest.py gives each load its own; the module's own
+    function is loaded afresh here). A load recalls what the file holds."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("dflash_ir.runtime._costs_as_shipped", costs_module.__file__)
+    shipped = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, shipped)
+    spec.loader.exec_module(shipped)
+    monkeypatch.setenv("DFLASH_IR_COST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(costs_module, "acceptance_file", shipped.acceptance_file)
+    art = compile_pair(*tiny_pair("qwen35"), out=tmp_path / "art", n_ctx=64)
+    manifest = (art / "manifest.yaml").read_text()
+    engine = load_compiled(art, load_tokenizer=False)
+    assert engine.acceptance_file == shipped.acceptance_file(manifest) and engine.acceptance_file.parent == tmp_path / "cache"
+    assert shipped.acceptance_file(manifest + " ") != engine.acceptance_file
+    learned = {"trials": [4.0] * 15, "hits": [1.0] * 15}
+    engine.acceptance_file.write_text(json.dumps(learned))
+    monkeypatch.setattr(NumpyBackend, "device_description", lambda self: "another host")
+    assert load_compiled(art, load_tokenizer=False).controller.learned() == learned

@@ -9,8 +9,8 @@ Leading dims are free, so any row selection of a storage array is itself a valid
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -138,26 +138,34 @@ def _decode_blocks(storage: np.ndarray, dtype: DType) -> np.ndarray:
     return values.reshape(*storage.shape[:-1], -1)  # every value depends on i: a new [..., nb, block] array
 
 
-# weight types whose products take Q8_0 activations in the `q8` numerics mode: llama.cpp's
-# vec_dot_type for these is Q8_0 (Q8_1 for Q4_1 / Q5_1: the same quants, plus each block's sum)
-Q8_X_TYPES = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1)
+# weight types whose products take Q8_0 activations in the `q8` numerics mode: those whose
+# sub-blocks (elements sharing a scale and offset) are 32 long, as an activation block, and
+# whose codes are integers decoded arithmetically. llama.cpp pairs Q8_0 .. Q5_1 with Q8_0
+# activations (Q8_1 for Q4_1 / Q5_1: the same quants, plus each block's sum), the K-quants
+# with Q8_K (one scale per 256): here they take Q8_0 too, a finer quantisation
+Q8_X_TYPES = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K)
 
 
 def block_parts(storage: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A 32-element block type's (Q8_X_TYPES) storage [..., nb * block_bytes] as its parts:
-    scales f32 [..., nb], integer codes as exact f32 [..., nb, 32] and offsets f32 [..., nb]
-    (None for types without), so that value = scale * code [+ offset] per element."""
+    """A Q8_X_TYPES storage [..., nb * block_bytes] as its 32-element sub-blocks' parts, K / 32
+    of each per row: scales f32 [..., K/32], integer codes as exact f32 [..., K/32, 32] and
+    offsets f32 [..., K/32] (None for types without), so that value = scale * code [+ offset]."""
     bb = dtype.block_bytes
     blocks = np.asarray(storage).view(np.uint8).reshape(*storage.shape[:-1], storage.shape[-1] // bb, bb)
     if dtype is DType.Q8_0:
         d = np.ascontiguousarray(blocks[..., :_Q8_0_SCALE_BYTES]).view(np.float16)[..., 0].astype(np.float32)
         return d, blocks[..., _Q8_0_SCALE_BYTES:].view(np.int8).astype(np.float32), None
     fmt, r = DECODERS[dtype], _BlockReader(blocks)
-    if fmt.sub != 32 or dtype.block_size != 32:
-        raise ValueError(f"block_parts takes types of one 32-element sub-block per block, not {dtype}")
-    codes = np.broadcast_to(fmt.code(r, np.arange(32, dtype=np.int32)), (*blocks.shape[:-1], 32))
-    offset = None if fmt.offset is None else fmt.offset(r, 0)[..., 0]
-    return fmt.scale(r, 0)[..., 0], np.ascontiguousarray(codes, dtype=np.float32), offset
+    if fmt.sub != 32:
+        raise ValueError(f"block_parts takes types of 32-element sub-blocks, not {dtype}")
+    subs, lead = dtype.block_size // 32, storage.shape[:-1]
+    j = np.arange(subs, dtype=np.int32)
+    codes = np.broadcast_to(fmt.code(r, np.arange(dtype.block_size, dtype=np.int32)), (*blocks.shape[:-1], dtype.block_size))
+    def per_sub(part):
+        return np.broadcast_to(part(r, j), (*blocks.shape[:-1], subs)).reshape(*lead, -1).astype(np.float32)
+
+    offset = None if fmt.offset is None else per_sub(fmt.offset)
+    return per_sub(fmt.scale), np.ascontiguousarray(codes, dtype=np.float32).reshape(*lead, -1, 32), offset
 
 
 def _round_half_away(v: np.ndarray) -> np.ndarray:
@@ -252,21 +260,53 @@ def cols16_layout(dtype: DType, dp4: bool = False) -> str:
     return f"{dtype.value}_cols16{'_dp4' if dp4 else ''}"
 
 
+NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of a 32-bit word
+
+
+def _fifth_bits(bits):
+    """Bits 0..3 of int `bits` as bit 4 of bytes 0..3."""
+    return ((bits & 1) | ((bits & 2) << 7) | ((bits & 4) << 14) | ((bits & 8) << 21)) << 4
+
+
 @dataclass(frozen=True)
 class Dp4Words:
-    """How the CPU tiles' integer dot products read a 4- or 5-bit type (pack_blocks_cols16_dp4):
-    its block is `head` bytes of f16 fields (d, and m where it has a min), then 32-bit words:
-    with `qh`, first the fifth bits of its 32 codes, then four words of nibbles (byte i holds
-    code i in its low nibble and code i + 16 in its high one). A code is nibble (| fifth bit
-    << 4) minus `bias`."""
+    """How the CPU tiles' integer dot products read a 4- or 5-bit type from its dp4 pack
+    (pack_blocks_cols16_dp4): the block's first `head` bytes are its f16 fields, the rest
+    32-bit words; `codes(word, s, q)` makes codes 4q .. 4q+3 of 32-element sub-block s (q a
+    constant 0..7, s a constant or an index) as the unsigned bytes of an int, from `word(i)`,
+    the block's i-th word after the head; the code is that byte minus `bias`. Written with
+    & | >> << only, so the same function builds kernel expressions and numpy arrays
+    (tests/test_quant.py checks it against the block decoders)."""
 
     head: int
-    qh: bool
-    bias: int
+    codes: Callable
+    bias: int = 0
 
 
-DP4_TYPES = {DType.Q4_0: Dp4Words(2, False, 8), DType.Q4_1: Dp4Words(4, False, 0),
-             DType.Q5_0: Dp4Words(2, True, 16), DType.Q5_1: Dp4Words(4, True, 0)}
+def _low_nibbles(qs: int):
+    """Q4_0 / Q4_1 order from word `qs` on: codes i and i + 16 share byte i (low, high)."""
+    return lambda word, s, q: (word(qs + (q & 3)) >> (4 * (q >> 2))) & NIBBLES
+
+
+def _with_qh(qs: int):
+    """Q5_0 / Q5_1: the nibbles from word `qs` on, bit i of word 0 (qh) as code i's bit 4."""
+    nibbles = _low_nibbles(qs)
+    return lambda word, s, q: nibbles(word, s, q) | _fifth_bits(word(0) >> (4 * q))
+
+
+def _k_nibbles(word, s, q):
+    """Q4_K / Q5_K: 32 bytes from word 3 (byte 16) on hold sub-blocks 2p (low) and 2p + 1 (high)."""
+    return (word(3 + 8 * (s >> 1) + q) >> (4 * (s & 1))) & NIBBLES
+
+
+def _q5_k_codes(word, s, q):
+    """Q5_K: the nibbles 32 bytes later (qh first), bit s of qh's byte e as code e's bit 4."""
+    return ((word(11 + 8 * (s >> 1) + q) >> (4 * (s & 1))) & NIBBLES) | (((word(3 + q) >> s) & 0x01010101) << 4)
+
+
+DP4_TYPES = {DType.Q4_0: Dp4Words(2, _low_nibbles(0), 8), DType.Q4_1: Dp4Words(4, _low_nibbles(0)),
+             DType.Q5_0: Dp4Words(2, _with_qh(1), 16), DType.Q5_1: Dp4Words(4, _with_qh(1)),
+             DType.Q4_K: Dp4Words(4, _k_nibbles), DType.Q5_K: Dp4Words(4, _q5_k_codes)}
 
 
 def pack_blocks_cols16(storage: np.ndarray, dtype: DType, out: np.ndarray | None = None) -> np.ndarray:

@@ -204,7 +204,7 @@ def test_block_cols16_refuses_odd_blocks_and_packs_expert_banks_matrix_by_matrix
     into = np.full(packed.size, 0xA5, np.uint8)  # a mapped buffer's old bytes
     assert pack_blocks_cols16(bank, DType.Q4_K, out=into) is into and np.array_equal(into, packed)
 
-@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1])
+@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K])
 def test_block_cols16_dp4_packs_f16_fields_and_32_bit_words_where_the_tiles_read_them(dtype):
     """Row (16 g + lane)'s block b at byte B = (g * nb + b) * bytes * 16: its f16 field f at
     B + 32 f + 2 lane, its 32-bit word w (bytes head + 4w ..) at B + 16 head + 64 w + 4 lane."""
@@ -225,22 +225,21 @@ def test_block_cols16_dp4_packs_f16_fields_and_32_bit_words_where_the_tiles_read
                 assert bytes(packed[at + 16 * head + 64 * w + 4 * lane:][:4]) == bytes(block[head + 4 * w:head + 4 * w + 4])
 
 
-@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1])
+@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K])
 def test_dp4_words_describe_the_block_decoders(dtype):
-    """What the VPDPBUSD tiles assume of each type (quant.DP4_TYPES), checked against its
-    decoder (dflash_ir/blocks.py): the f16 fields are d [and m] and fill `head` bytes, a code is
-    the nibble of byte head + 4 qh + (i mod 16) (low for i < 16) [with bit i of the 32-bit qh
-    at byte head as bit 4] minus `bias`."""
+    """What the VPDPBUSD tiles read of each type (quant.DP4_TYPES), run on numpy words of random
+    blocks: its head is its f16 fields, and codes(word, s, q) are the codes 4q .. 4q+3 of
+    sub-block s, plus bias, that its decoder (dflash_ir/blocks.py) gives."""
     from dflash_ir.quant import DP4_TYPES, block_parts
 
-    words = DP4_TYPES[dtype]
-    blocks = np.random.default_rng(7).integers(0, 256, (50, dtype.block_bytes), dtype=np.uint8)
-    blocks[:, :words.head] = np.frombuffer(np.float16([0.5, -2.0][:words.head // 2]).tobytes() * 50, np.uint8).reshape(50, -1)
-    scale, codes, offset = block_parts(blocks.reshape(50, -1), dtype)
-    assert np.all(scale == 0.5) and (offset is None) == (words.head == 2) and (offset is None or np.all(offset == -2.0))
-    qs = blocks[:, words.head + 4 * words.qh:].astype(int)
-    nibbles = np.concatenate([qs & 15, qs >> 4], axis=1)
-    if words.qh:
-        qh = blocks[:, words.head:words.head + 4].copy().view("<u4").astype(np.int64)
-        nibbles |= ((qh >> np.arange(32)) & 1) << 4
-    assert np.array_equal(codes[:, 0], nibbles - words.bias)
+    words, n = DP4_TYPES[dtype], 40
+    blocks = np.random.default_rng(7).integers(0, 256, (n, dtype.block_bytes), dtype=np.uint8)
+    blocks[:, :words.head] = np.resize(np.float16([0.5, -2.0][:words.head // 2]).view(np.uint8), (n, words.head))
+    wide = np.ascontiguousarray(blocks[:, words.head:]).view("<u4").astype(np.int64)  # [n, words]
+    _, codes, offset = block_parts(blocks, dtype)  # [n, subs, 32]
+    assert (offset is None) == (words.head == 2)
+    for s in range(dtype.block_size // 32):
+        for q in range(8):
+            got = words.codes(lambda i: wide[:, i], s, q)
+            unpacked = (got[:, None] >> (8 * np.arange(4))) & 255
+            assert np.array_equal(unpacked - words.bias, codes[:, s, 4 * q:4 * q + 4]), (s, q)

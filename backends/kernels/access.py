@@ -130,6 +130,25 @@ class Cols16Loads(_BlockLoads):
         raise NotImplementedError("codebook types have no 16-lane table lookup: they take the rowwise kernel")
 
 
+class Dp4Loads(Cols16Loads):
+    """Cols16Loads over a quant.pack_blocks_cols16_dp4 pack: the block's f16 fields (its first
+    `head` bytes) as there, every other byte from the 32-bit words side by side after them
+    (the decoders of those types read f16s from the head and bytes past it only)."""
+
+    def __init__(self, buf, block: K, head: int):
+        super().__init__(buf, block)
+        self.head = head
+
+    def word(self, i) -> K:
+        """32-bit word i after the head, 16 lanes."""
+        return self.buf.load(self.block / 2 + self.head * COLS // 4 + i * COLS, "i32", COLS)
+
+    def u8(self, byte) -> K:
+        assert not isinstance(byte, int) or byte >= self.head, f"byte {byte} is in the f16 head"
+        at = byte - self.head
+        return (self.word(at >> 2) >> ((at & 3) * 8)) & 255
+
+
 def _table(name: str, values: tuple) -> Function:
     """A device function returning entry q of a constant table (one per codebook)."""
     return function(f"{name}_value", [("q", I32)],

@@ -23,7 +23,7 @@ from dflash_ir.types import Dim, TensorType
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, dpbusd, maximum, minimum, select, vsum
 from ..kir.build import Buffer, KernelBuilder
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
-from .access import Q8_BLOCK, SIGMOID, Cols16Loads, q8_row_bytes, weight_at, weight_chunk
+from .access import Q8_BLOCK, SIGMOID, Cols16Loads, Dp4Loads, q8_row_bytes, weight_at, weight_chunk
 from dflash_ir.quant import COLS_BLOCK_BYTES, DP4_TYPES, Q8_X_TYPES, TILED_BLOCK_TYPES, cols16_layout
 from .fused import fused_matmul_parts
 from .shapes import FLAT, cdiv, flat_launch, prod
@@ -618,21 +618,17 @@ def _block_tile_sums(kb: KernelBuilder, dtype: DType, groups: list[tuple[Buffer,
                         element(blocks, scale, offset, kb.let("i", c * span + e), pos, e, "")
 
 
-def _block_scales(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], b: K) -> tuple[list, list, list]:
-    """Block b of each group of a 32-element block type's pack (either cols16 one: its f16
-    fields are 16-bit words side by side in both): its reader (access.Cols16Loads), its 16
-    scales and its 16 offsets (None without a min)."""
+def _sub_parts(kb: KernelSpec, dtype: DType, blocks: list, s: K) -> tuple[list[K], list[K] | None]:
+    """Sub-block s's 16 scales and 16 offsets (None without a min) of each group's block."""
     fmt = DECODERS[dtype]
-    blocks = [Cols16Loads(w, kb.let(f"at{j}", base / 2 + b * (dtype.block_bytes // 2 * COLS)))
-              for j, (w, base) in enumerate(groups)]
-    scale = [kb.let(f"sc{j}", fmt.scale(blk, 0)) for j, blk in enumerate(blocks)]
-    offset = [kb.let(f"of{j}", fmt.offset(blk, 0)) for j, blk in enumerate(blocks)] if fmt.offset else None
-    return blocks, scale, offset
+    scale = [kb.let(f"sc{j}", fmt.scale(blk, s)) for j, blk in enumerate(blocks)]
+    offset = [kb.let(f"of{j}", fmt.offset(blk, s)) for j, blk in enumerate(blocks)] if fmt.offset else None
+    return scale, offset
 
 
 def _q8_x_block_sums(kb: KernelSpec, acc: dict, R: int, G: int, x: Buffer, xb: list[K], dot: dict, xsum: list,
                      scale: list[K], offset: list | None) -> None:
-    """A block's integer sums (f32 or i32, xsum[r] scalar or as 16 equal lanes) into the f32
+    """A sub-block's integer sums (f32 or i32, xsum[r] scalar or as 16 equal lanes) into the f32
     sums: dot * (d_w * d_x) [+ m_w * (d_x * Σ q_x)]."""
     V = F32.vec(COLS)
     for r in range(R):
@@ -644,76 +640,85 @@ def _q8_x_block_sums(kb: KernelSpec, acc: dict, R: int, G: int, x: Buffer, xb: l
                 kb.set(acc[r, j], call("fma", offset[j], cast(V, xs), acc[r, j]))
 
 
+def _q8_x_tile_blocks(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, R: int,
+                      rows: list[K], reader, body: Callable) -> None:
+    """The loops of a Q8_X_TYPES tile over Q8_0 x: weight blocks b, each group's block read
+    through `reader(buffer, u16 index of the block)`, and its 32-element sub-blocks s, each
+    with the Q8_0 block of x it meets: body(blocks, s, xb) with xb row r's x block (a byte)."""
+    subs = dtype.block_size // 32
+    with kb.loop("b", 0, nb) as b:
+        blocks = [reader(w, kb.let(f"at{j}", base / 2 + b * (dtype.block_bytes // 2 * COLS)))
+                  for j, (w, base) in enumerate(groups)]
+        with kb.loop("s", 0, subs) as s:
+            xb = [kb.let(f"xb{r}", ((rows[r] * nb + b) * subs + s) * Q8_BLOCK) for r in range(R)]
+            body(blocks, s, xb)
+
+
 def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
                           R: int, q8_x: tuple[Buffer, list[K]]) -> None:
     """tile_sums of a Q8_X_TYPES block type's pack (quant.pack_blocks_cols16) over Q8_0 x: per
-    block, each code times x's quant summed exactly (integer-valued f32, below 2^24), and x's
-    quants summed where the type has a min; then _q8_x_block_sums. The same integers as
-    _dp4_block_tile_sums', so the same outputs bit for bit."""
-    fmt, V = DECODERS[dtype], F32.vec(COLS)
+    32-element sub-block, each code times x's quant summed exactly (integer-valued f32, below
+    2^24), and x's quants summed where the type has a min; then _q8_x_block_sums. The same
+    integers as _dp4_block_tile_sums', so the same outputs bit for bit."""
+    fmt, V, G = DECODERS[dtype], F32.vec(COLS), len(groups)
     x, rows = q8_x
-    with kb.loop("b", 0, nb) as b:
-        blocks, scale, offset = _block_scales(kb, dtype, groups, b)
-        xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
+
+    def body(blocks, s, xb):
+        scale, offset = _sub_parts(kb, dtype, blocks, s)
         dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(V, 0.0)) for key in acc}
         xsum = [kb.let(f"xsum{r}", 0.0) for r in range(R)] if offset else []
         with kb.loop("e", 0, 32, unroll=UNROLL) as e:
-            code = [kb.let(f"w{j}", fmt.code(blk, e)) for j, blk in enumerate(blocks)]
+            code = [kb.let(f"w{j}", fmt.code(blk, s * 32 + e)) for j, blk in enumerate(blocks)]
             for r in range(R):
                 xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + e, "i8")))
                 if offset:
                     kb.set(xsum[r], xsum[r] + xv)
-                for j in range(len(groups)):
+                for j in range(G):
                     kb.set(dot[r, j], call("fma", code[j], xv, dot[r, j]))
-        _q8_x_block_sums(kb, acc, R, len(groups), x, xb, dot, xsum, scale, offset)
+        _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset)
+
+    _q8_x_tile_blocks(kb, dtype, groups, nb, R, rows, Cols16Loads, body)
 
 
-NIBBLES = 0x0F0F0F0F
-
-
-def _fifth_bits(bits: K) -> K:
-    """Bits 0..3 of `bits` as bit 4 of bytes 0..3."""
-    return ((bits & 1) | ((bits & 2) << 7) | ((bits & 4) << 14) | ((bits & 8) << 21)) << 4
+ONES = 0x01010101  # VPDPBUSD against bytes of 1: the sum of four signed bytes
 
 
 def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
                          R: int, q8_x: tuple[Buffer, list[K]]) -> None:
     """_q8_x_block_tile_sums with VPDPBUSD on a 4/5-bit type's dp4 pack
-    (quant.pack_blocks_cols16_dp4): a 32-bit word per lane holds four bytes, whose low nibbles
-    are codes 4w .. 4w+3 and high nibbles codes 16+4w .., so two masks give two words of
-    unsigned codes (the fifth bits ORed in from qh) to multiply with x's signed quants; the
-    code bias (-8, -16) comes off as bias * Σ q_x, that sum taken by the same instruction on
-    bytes of 1."""
-    V, I = F32.vec(COLS), I32.vec(COLS)
+    (quant.pack_blocks_cols16_dp4, read as quant.DP4_TYPES says): per four codes of a sub-block,
+    a 32-bit word per lane of their unsigned bytes (masks and shifts of the pack's words, each
+    loaded once per sub-block), multiplied with x's signed quants; a code bias (-8, -16) comes
+    off as bias * Σ q_x, that sum taken by the same instruction on bytes of 1."""
+    I, G = I32.vec(COLS), len(groups)
     words = DP4_TYPES[dtype]
     x, rows = q8_x
-    G = len(groups)
-    with kb.loop("b", 0, nb) as b:
-        blocks, scale, offset = _block_scales(kb, dtype, groups, b)
-        wide = [kb.let(f"wide{j}", (blk.block + words.head // 2 * COLS) / 2) for j, blk in enumerate(blocks)]  # i32
-        qh = [kb.let(f"qh{j}", w.load(wide[j], "i32", COLS)) for j, (w, _) in enumerate(groups)] if words.qh else []
-        xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
+
+    def body(blocks, s, xb):
+        scale, offset = _sub_parts(kb, dtype, blocks, s)
         dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, 0)) for key in acc}
         xsum = [kb.let(f"xsum{r}", cast(I, 0)) for r in range(R)]
-        with kb.loop("k4", 0, 4, unroll=UNROLL) as k4:
-            lo, hi = [], []
-            for j, (w, _) in enumerate(groups):
-                wv = kb.let(f"w{j}", w.load(wide[j] + (k4 + int(words.qh)) * COLS, "i32", COLS))
-                low, high = wv & NIBBLES, (wv >> 4) & NIBBLES
-                if words.qh:
-                    low, high = low | _fifth_bits(qh[j] >> (k4 * 4)), high | _fifth_bits(qh[j] >> (k4 * 4 + 16))
-                lo.append(kb.let(f"lo{j}", low))
-                hi.append(kb.let(f"hi{j}", high))
+        loaded = [{} for _ in blocks]  # each group's words of this sub-block, loaded once
+
+        def word(j):
+            def load(i):
+                if i not in loaded[j]:
+                    loaded[j][i] = kb.let(f"wd{j}_{len(loaded[j])}", blocks[j].word(i))
+                return loaded[j][i]
+            return load
+        for q in range(8):
+            codes = [kb.let(f"c{j}_{q}", words.codes(word(j), s, q)) for j in range(G)]
             for r in range(R):
-                xl = kb.let(f"xl{r}", cast(I, _q8_words(x, xb[r], k4)))
-                xh = kb.let(f"xh{r}", cast(I, _q8_words(x, xb[r], k4 + 4)))
-                kb.set(xsum[r], dpbusd(dpbusd(xsum[r], cast(I, 0x01010101), xl), cast(I, 0x01010101), xh))
+                xq = kb.let(f"xq{r}_{q}", cast(I, _q8_words(x, xb[r], q)))
+                kb.set(xsum[r], dpbusd(xsum[r], cast(I, ONES), xq))
                 for j in range(G):
-                    kb.set(dot[r, j], dpbusd(dpbusd(dot[r, j], lo[j], xl), hi[j], xh))
+                    kb.set(dot[r, j], dpbusd(dot[r, j], codes[j], xq))
         if words.bias:
             for key in acc:
                 kb.set(dot[key], dot[key] - xsum[key[0]] * words.bias)
         _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset)
+
+    _q8_x_tile_blocks(kb, dtype, groups, nb, R, rows, lambda w, at: Dp4Loads(w, at, words.head), body)
 
 
 def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[list[K], list[K]]:

@@ -8,12 +8,13 @@ what a kernel generator needs without looking at shapes: `form` (gemv for a few 
 gemm for many), the constants K and N, the weight `layout` a backend packs, an optional
 fused `residual` input (out = x @ wᵀ + residual).
 
-A product over a weight of quant.Q8_X_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) whose x is
-itself Q8_0 (made by `quantize_q8_0`, llama.cpp's quantize_row_q8_0: per 32-element block
-an fp16 scale and 32 int8) is llama.cpp's product of such a weight with quantised
-activations: per block, the integer dot of the weight's codes and x's quants, times
-d_w * d_x, plus, for the types with a min (Q4_1, Q5_1), m_w times d_x * (the sum of x's
-quants) (llama.cpp keeps that as Q8_1's `s`, rounded to f16; here it stays f32). The
+A product over a weight of quant.Q8_X_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K) whose
+x is itself Q8_0 (made by `quantize_q8_0`, llama.cpp's quantize_row_q8_0: per 32-element
+block an fp16 scale and 32 int8) is llama.cpp's product of such a weight with quantised
+activations: per 32-element sub-block, the integer dot of the weight's codes and x's quants,
+times the sub-block's scale * d_x, plus, for the types with a min (Q4_1, Q5_1, the K-quants'
+-dmin * m), that times d_x * (the sum of x's quants) (llama.cpp keeps that as Q8_1's `s`,
+rounded to f16, and gives the K-quants Q8_K x, one scale per 256; here it stays f32). The
 integer parts do not depend on how a kernel orders them, so a row's result does not depend
 on how many rows share the pass. One matmul stays within 1e-2 of the f32 path relative to
 the output's max |value| (about 6e-3 on random data, K = 64..4096); the `q8` numerics mode
@@ -65,9 +66,9 @@ def _specialised(dtype: DType) -> None:
 
 
 def _matmul_q8_x(x: np.ndarray, w: np.ndarray, dtype: DType) -> np.ndarray:
-    """Q8_0 x times a weight of Q8_X_TYPES: per block the integer dot of x's quants and w's
-    codes (exact in f32: |sum| <= 32·127² < 2^24) times d_x·d_w, plus m_w·(d_x·Σ q_x) where w
-    has a min."""
+    """Q8_0 x times a weight of Q8_X_TYPES: per 32-element sub-block the integer dot of x's
+    quants and w's codes (exact in f32: |sum| <= 32·127² < 2^24) times d_x·scale, plus
+    offset·(d_x·Σ q_x) where w has one."""
     lead = x.shape[:-1]
     dx, qx, _ = block_parts(x.reshape(-1, x.shape[-1]), DType.Q8_0)  # [T, nb], [T, nb, 32]
     out = np.empty((qx.shape[0], w.shape[0]), dtype=F32)

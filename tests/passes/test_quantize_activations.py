@@ -58,22 +58,36 @@ def test_q8_0_times_q8_0_is_integer_block_sums_times_both_scales():
     assert np.abs(got - exact).max() <= 1e-2 * np.abs(exact).max()
 
 
-def test_llama_cpp_q8_activation_types_are_quantised_and_k_quants_keep_f32():
-    """Q4_0 .. Q5_1 products take Q8_0 x as Q8_0's do (llama.cpp: Q8_0 / Q8_1 activations);
-    the K-quants (Q8_K there) and the codebook types keep f32 x."""
+def test_types_of_32_element_sub_blocks_are_quantised_and_the_others_keep_f32():
+    """Q4_0 .. Q5_1, Q4_K and Q5_K products take Q8_0 x as Q8_0's do (llama.cpp: Q8_0 / Q8_1
+    activations, Q8_K for the K-quants); the K-quants of 16-element sub-blocks and the codebook
+    types keep f32 x."""
     from dflash_ir.builder import GraphBuilder
     from dflash_ir.passes.specialise_matmul import specialise_matmul
 
     b = GraphBuilder("mix")
     x = b.input("x", DType.F32, (3, 256))
-    types = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q6_K, DType.IQ4_NL)
+    types = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K, DType.Q6_K,
+             DType.Q2_K, DType.IQ4_NL, DType.IQ4_XS)
     for i, dtype in enumerate(types):
         b.output(f"o{i}", b.matmul(x, b.dequantize(b.weight(f"w{i}", dtype, (16, 256)))))
     out = quantize_activations(specialise_matmul(b.build()))
     values = out.values()
     x_dtype = {values[n.inputs[1]].type.dtype: values[n.inputs[0]].type.dtype for n in out.nodes if n.op.startswith("matmul_")}
-    assert x_dtype == {d: DType.Q8_0 if i < 5 else DType.F32 for i, d in enumerate(types)}
+    assert x_dtype == {d: DType.Q8_0 if i < 7 else DType.F32 for i, d in enumerate(types)}
     assert out.op_counts()["quantize_q8_0"] == 1
+
+
+def _q8_x_product(dtype: DType, seed: int, rows: int, k: int, n: int):
+    """(x, its Q8_0 quantisation, a random `dtype` weight [n, k], the reference's x_q8 @ wᵀ)."""
+    from quant_blocks import random_blocks
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = random_blocks(rng, (n, k), dtype)
+    xq = quantize(x, DType.Q8_0)
+    attrs = dict(form="gemv", K=k, N=n, layout=f"{dtype.value}_rowmajor")
+    return x, xq, w, get_op(f"matmul_{dtype.value}").run([xq, w], attrs)[0]
 
 
 @pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1])
@@ -83,14 +97,8 @@ def test_q8_0_x_times_a_4_or_5_bit_weight_is_integer_sums_times_scales_plus_the_
     from gguf import GGMLQuantizationType as GT
     from gguf import quants
 
-    from quant_blocks import random_blocks
-
-    rng = np.random.default_rng(5)
     k, n = 96, 4
-    x = rng.standard_normal((2, k)).astype(np.float32)
-    w = random_blocks(rng, (n, k), dtype)
-    xq = quantize(x, DType.Q8_0)
-    got = get_op(f"matmul_{dtype.value}").run([xq, w], dict(form="gemv", K=k, N=n, layout=f"{dtype.value}_rowmajor"))[0]
+    x, xq, w, got = _q8_x_product(dtype, 5, 2, k, n)
     raw = w.view(np.uint8).reshape(n, k // 32, dtype.block_bytes)
     d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
     m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if dtype in (DType.Q4_1, DType.Q5_1) else 0 * d
@@ -106,6 +114,21 @@ def test_q8_0_x_times_a_4_or_5_bit_weight_is_integer_sums_times_scales_plus_the_
             assert got[r, c] == pytest.approx(want, rel=1e-5, abs=1e-6)
     exact = get_op(f"matmul_{dtype.value}").run([x, w], dict(form="gemv", K=k, N=n, layout=f"{dtype.value}_rowmajor"))[0]
     assert np.abs(got - exact).max() <= 2e-2 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("dtype", [DType.Q4_K, DType.Q5_K])
+def test_q8_0_x_times_a_k_quant_is_the_product_of_both_dequantised(dtype):
+    """Per 32-element sub-block, integer sums times d·sc_j·d_x minus dmin·m_j·d_x·Σq_x: in exact
+    arithmetic the product of gguf-py's dequantised weight with the dequantised x."""
+    from gguf import GGMLQuantizationType as GT
+    from gguf import quants
+
+    k, n = 512, 5
+    _, xq, w, got = _q8_x_product(dtype, 6, 3, k, n)
+    wf = quants.dequantize(w.view(np.uint8).reshape(n, -1), GT[dtype.name]).astype(np.float64)
+    xf = quants.dequantize(xq.reshape(3, -1), GT.Q8_0).astype(np.float64)
+    want = xf @ wf.T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_numerics_mode_adds_the_pass_and_rejects_unknown_modes():

@@ -139,33 +139,34 @@ def _decode_blocks(storage: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 # weight types whose products take Q8_0 activations in the `q8` numerics mode: those whose
-# sub-blocks (elements sharing a scale and offset) are 32 long, as an activation block, and
-# whose codes are integers decoded arithmetically. llama.cpp pairs Q8_0 .. Q5_1 with Q8_0
+# sub-blocks (elements sharing a scale and offset) fit an activation block of 32 (32 long, or
+# Q6_K's 16) and whose codes are integers decoded arithmetically. llama.cpp pairs Q8_0 .. Q5_1 with Q8_0
 # activations (Q8_1 for Q4_1 / Q5_1: the same quants, plus each block's sum), the K-quants
 # with Q8_K (one scale per 256): here they take Q8_0 too, a finer quantisation
-Q8_X_TYPES = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K)
+Q8_X_TYPES = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K, DType.Q6_K)
 
 
 def block_parts(storage: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A Q8_X_TYPES storage [..., nb * block_bytes] as its 32-element sub-blocks' parts, K / 32
-    of each per row: scales f32 [..., K/32], integer codes as exact f32 [..., K/32, 32] and
-    offsets f32 [..., K/32] (None for types without), so that value = scale * code [+ offset]."""
+    """A Q8_X_TYPES storage [..., nb * block_bytes] as its sub-blocks' parts (sub = 32, or 16),
+    K / sub of each per row: scales f32 [..., K/sub], integer codes as exact f32
+    [..., K/sub, sub] and offsets f32 [..., K/sub] (None for types without), so that
+    value = scale * code [+ offset]."""
     bb = dtype.block_bytes
     blocks = np.asarray(storage).view(np.uint8).reshape(*storage.shape[:-1], storage.shape[-1] // bb, bb)
     if dtype is DType.Q8_0:
         d = np.ascontiguousarray(blocks[..., :_Q8_0_SCALE_BYTES]).view(np.float16)[..., 0].astype(np.float32)
         return d, blocks[..., _Q8_0_SCALE_BYTES:].view(np.int8).astype(np.float32), None
     fmt, r = DECODERS[dtype], _BlockReader(blocks)
-    if fmt.sub != 32:
-        raise ValueError(f"block_parts takes types of 32-element sub-blocks, not {dtype}")
-    subs, lead = dtype.block_size // 32, storage.shape[:-1]
+    if 32 % fmt.sub:
+        raise ValueError(f"block_parts takes types whose sub-blocks divide 32 elements, not {dtype}")
+    subs, lead = dtype.block_size // fmt.sub, storage.shape[:-1]
     j = np.arange(subs, dtype=np.int32)
     codes = np.broadcast_to(fmt.code(r, np.arange(dtype.block_size, dtype=np.int32)), (*blocks.shape[:-1], dtype.block_size))
     def per_sub(part):
         return np.broadcast_to(part(r, j), (*blocks.shape[:-1], subs)).reshape(*lead, -1).astype(np.float32)
 
     offset = None if fmt.offset is None else per_sub(fmt.offset)
-    return per_sub(fmt.scale), np.ascontiguousarray(codes, dtype=np.float32).reshape(*lead, -1, 32), offset
+    return per_sub(fmt.scale), np.ascontiguousarray(codes, dtype=np.float32).reshape(*lead, -1, fmt.sub), offset
 
 
 def _round_half_away(v: np.ndarray) -> np.ndarray:
@@ -270,17 +271,22 @@ def _fifth_bits(bits):
 
 @dataclass(frozen=True)
 class Dp4Words:
-    """How the CPU tiles' integer dot products read a 4- or 5-bit type from its dp4 pack
-    (pack_blocks_cols16_dp4): the block's first `head` bytes are its f16 fields, the rest
-    32-bit words; `codes(word, s, q)` makes codes 4q .. 4q+3 of 32-element sub-block s (q a
-    constant 0..7, s a constant or an index) as the unsigned bytes of an int, from `word(i)`,
-    the block's i-th word after the head; the code is that byte minus `bias`. Written with
+    """How the CPU tiles' integer dot products read a 4-to-6-bit type from its dp4 pack
+    (pack_blocks_cols16_dp4): the block's first `head` and last `tail` bytes are its f16
+    fields, the bytes between 32-bit words; `codes(word, s, q)` makes codes 4q .. 4q+3 of the
+    block's run s of 32 elements (q a constant 0..7, s a constant or an index) as the unsigned
+    bytes of an int, from `word(i)`, the block's i-th word after the head; the code is that
+    byte minus `bias`. Written with
     & | >> << only, so the same function builds kernel expressions and numpy arrays
     (tests/test_quant.py checks it against the block decoders)."""
 
     head: int
     codes: Callable
     bias: int = 0
+    tail: int = 0  # bytes of f16 fields at the block's end (Q6_K's d), packed as the head's
+
+    def words(self, dtype: DType) -> int:
+        return (dtype.block_bytes - self.head - self.tail) // 4
 
 
 def _low_nibbles(qs: int):
@@ -304,9 +310,18 @@ def _q5_k_codes(word, s, q):
     return ((word(11 + 8 * (s >> 1) + q) >> (4 * (s & 1))) & NIBBLES) | (((word(3 + q) >> s) & 0x01010101) << 4)
 
 
+def _q6_k_codes(word, s, q):
+    """Q6_K: ql's 128 bytes from word 0 hold runs 0..3 and 4..7 (64 bytes each: byte e of run
+    s at 32 (s & 1) + e, high nibble for s & 2); qh's 64 bytes from word 32 two bits per code
+    (byte e of runs 4 (s >> 2) .. at 32 (s >> 2) + e, bits 2 (s & 3))."""
+    low = (word(16 * (s >> 2) + 8 * (s & 1) + q) >> (4 * ((s >> 1) & 1))) & NIBBLES
+    return low | (((word(32 + 8 * (s >> 2) + q) >> (2 * (s & 3))) & 0x03030303) << 4)
+
+
 DP4_TYPES = {DType.Q4_0: Dp4Words(2, _low_nibbles(0), 8), DType.Q4_1: Dp4Words(4, _low_nibbles(0)),
              DType.Q5_0: Dp4Words(2, _with_qh(1), 16), DType.Q5_1: Dp4Words(4, _with_qh(1)),
-             DType.Q4_K: Dp4Words(4, _k_nibbles), DType.Q5_K: Dp4Words(4, _q5_k_codes)}
+             DType.Q4_K: Dp4Words(4, _k_nibbles), DType.Q5_K: Dp4Words(4, _q5_k_codes),
+             DType.Q6_K: Dp4Words(0, _q6_k_codes, 32, tail=2)}
 
 
 def pack_blocks_cols16(storage: np.ndarray, dtype: DType, out: np.ndarray | None = None) -> np.ndarray:
@@ -331,19 +346,23 @@ def pack_blocks_cols16(storage: np.ndarray, dtype: DType, out: np.ndarray | None
 
 def pack_blocks_cols16_dp4(storage: np.ndarray, dtype: DType, out: np.ndarray | None = None) -> np.ndarray:
     """pack_blocks_cols16 for the integer dot products of the CPU tiles (DP4_TYPES): a block's
-    f16 fields as 16-bit words side by side, as there, then its 32-bit words side by side, so
-    one 16-wide u32 load holds the same four bytes (four codes' nibbles, or the fifth bits) of
-    16 rows' blocks. The block of group g, block b starts at byte (g * nb + b) * block_bytes * 16,
-    its words at block_bytes' head * 16 past that (a multiple of 4)."""
-    head, nbytes = DP4_TYPES[dtype].head, dtype.block_bytes
+    f16 fields (head and tail) as 16-bit words side by side, as there, and the 32-bit words
+    between them side by side, so one 16-wide u32 load holds the same four bytes (four codes'
+    nibbles, or their high bits) of 16 rows' blocks. Every byte of a block stays at 16 times
+    its offset from the block's start, (g * nb + b) * block_bytes * 16 for group g, block b
+    (a multiple of 4)."""
+    layout, nbytes = DP4_TYPES[dtype], dtype.block_bytes
     rows = np.ascontiguousarray(storage, dtype=np.uint8)
     if rows.ndim > 2:
         return _stacked(functools.partial(pack_blocks_cols16_dp4, dtype=dtype), rows, out)
     blocks = rows.reshape(-1, rows.shape[-1] // nbytes, nbytes)                     # [row, b, bytes]
-    groups, nb, wide = -(-len(blocks) // COLS), blocks.shape[1], (nbytes - head) // 4
+    groups, nb = -(-len(blocks) // COLS), blocks.shape[1]
     out = _groups_out(out, len(blocks), (groups, nb, nbytes * COLS), np.uint8)
-    _interleave_rows(np.ascontiguousarray(blocks[..., :head]).view("<u2"),
-                     out[..., :head * COLS].view("<u2").reshape(groups, nb, head // 2, COLS), axis=3)
-    _interleave_rows(np.ascontiguousarray(blocks[..., head:]).view("<u4"),
-                     out[..., head * COLS:].view("<u4").reshape(groups, nb, wide, COLS), axis=3)
+    end = nbytes - layout.tail
+    for start, stop, view in ((0, layout.head, "<u2"), (layout.head, end, "<u4"), (end, nbytes, "<u2")):
+        if stop > start:
+            size = np.dtype(view).itemsize
+            _interleave_rows(np.ascontiguousarray(blocks[..., start:stop]).view(view),
+                             out[..., start * COLS:stop * COLS].view(view).reshape(groups, nb, (stop - start) // size, COLS),
+                             axis=3)
     return out.reshape(-1)

@@ -204,13 +204,18 @@ def test_block_cols16_refuses_odd_blocks_and_packs_expert_banks_matrix_by_matrix
     into = np.full(packed.size, 0xA5, np.uint8)  # a mapped buffer's old bytes
     assert pack_blocks_cols16(bank, DType.Q4_K, out=into) is into and np.array_equal(into, packed)
 
-@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K])
+DP4 = [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K, DType.Q6_K]
+
+
+@pytest.mark.parametrize("dtype", DP4)
 def test_block_cols16_dp4_packs_f16_fields_and_32_bit_words_where_the_tiles_read_them(dtype):
-    """Row (16 g + lane)'s block b at byte B = (g * nb + b) * bytes * 16: its f16 field f at
-    B + 32 f + 2 lane, its 32-bit word w (bytes head + 4w ..) at B + 16 head + 64 w + 4 lane."""
+    """Row (16 g + lane)'s block b at byte B = (g * nb + b) * bytes * 16: an f16 field at byte
+    f of the head or the tail at B + 16 f + 2 lane, its 32-bit word w (bytes head + 4w ..) at
+    B + 16 head + 64 w + 4 lane."""
     from dflash_ir.quant import DP4_TYPES, pack_blocks_cols16_dp4
 
-    n, nb, nbytes, head = 21, 3, dtype.block_bytes, DP4_TYPES[dtype].head
+    n, nb, nbytes, layout = 21, 3, dtype.block_bytes, DP4_TYPES[dtype]
+    head, tail = layout.head, layout.tail
     storage = np.random.default_rng(6).integers(0, 256, (n, nb * nbytes), dtype=np.uint8)
     packed = pack_blocks_cols16_dp4(storage, dtype)
     assert packed.size == 32 * nb * nbytes
@@ -219,25 +224,28 @@ def test_block_cols16_dp4_packs_f16_fields_and_32_bit_words_where_the_tiles_read
         for b in range(nb):
             block = storage[row, b * nbytes:(b + 1) * nbytes] if row < n else np.zeros(nbytes, np.uint8)
             at = (g * nb + b) * nbytes * 16
-            for f in range(head // 2):
-                assert bytes(packed[at + 32 * f + 2 * lane:][:2]) == bytes(block[2 * f:2 * f + 2])
-            for w in range((nbytes - head) // 4):
+            for f in [*range(0, head, 2), *range(nbytes - tail, nbytes, 2)]:
+                assert bytes(packed[at + 16 * f + 2 * lane:][:2]) == bytes(block[f:f + 2])
+            for w in range(layout.words(dtype)):
                 assert bytes(packed[at + 16 * head + 64 * w + 4 * lane:][:4]) == bytes(block[head + 4 * w:head + 4 * w + 4])
 
 
-@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K])
+@pytest.mark.parametrize("dtype", DP4)
 def test_dp4_words_describe_the_block_decoders(dtype):
     """What the VPDPBUSD tiles read of each type (quant.DP4_TYPES), run on numpy words of random
-    blocks: its head is its f16 fields, and codes(word, s, q) are the codes 4q .. 4q+3 of
-    sub-block s, plus bias, that its decoder (dflash_ir/blocks.py) gives."""
+    blocks: codes(word, s, q) are the codes 4q .. 4q+3 of run s, plus bias, that its decoder
+    (dflash_ir/blocks.py) gives. (Where the f16 fields are, the pack test checks.)"""
     from dflash_ir.quant import DP4_TYPES, block_parts
 
     words, n = DP4_TYPES[dtype], 40
     blocks = np.random.default_rng(7).integers(0, 256, (n, dtype.block_bytes), dtype=np.uint8)
-    blocks[:, :words.head] = np.resize(np.float16([0.5, -2.0][:words.head // 2]).view(np.uint8), (n, words.head))
-    wide = np.ascontiguousarray(blocks[:, words.head:]).view("<u4").astype(np.int64)  # [n, words]
-    _, codes, offset = block_parts(blocks, dtype)  # [n, subs, 32]
-    assert (offset is None) == (words.head == 2)
+    end = dtype.block_bytes - words.tail
+    for f in [*range(0, words.head, 2), *range(end, dtype.block_bytes, 2)]:  # finite scales
+        blocks[:, f:f + 2] = np.float16([0.5]).view(np.uint8)
+    wide = np.ascontiguousarray(blocks[:, words.head:end]).view("<u4").astype(np.int64)  # [n, words]
+    assert wide.shape[1] == words.words(dtype)
+    _, codes, _ = block_parts(blocks, dtype)  # [n, subs, sub]
+    codes = codes.reshape(n, -1, 32)  # runs of 32
     for s in range(dtype.block_size // 32):
         for q in range(8):
             got = words.codes(lambda i: wide[:, i], s, q)

@@ -618,22 +618,23 @@ def _block_tile_sums(kb: KernelBuilder, dtype: DType, groups: list[tuple[Buffer,
                         element(blocks, scale, offset, kb.let("i", c * span + e), pos, e, "")
 
 
-def _sub_parts(kb: KernelSpec, dtype: DType, blocks: list, s: K) -> tuple[list[K], list[K] | None]:
-    """Sub-block s's 16 scales and 16 offsets (None without a min) of each group's block."""
+def _sub_parts(kb: KernelSpec, dtype: DType, blocks: list, s: K, h: int) -> tuple[list[K], list[K] | None]:
+    """Sub-block s's 16 scales and 16 offsets (None without a min) of each group's block (h:
+    which half of x's block it is, for the names)."""
     fmt = DECODERS[dtype]
-    scale = [kb.let(f"sc{j}", fmt.scale(blk, s)) for j, blk in enumerate(blocks)]
-    offset = [kb.let(f"of{j}", fmt.offset(blk, s)) for j, blk in enumerate(blocks)] if fmt.offset else None
+    scale = [kb.let(f"sc{j}_{h}", fmt.scale(blk, s)) for j, blk in enumerate(blocks)]
+    offset = [kb.let(f"of{j}_{h}", fmt.offset(blk, s)) for j, blk in enumerate(blocks)] if fmt.offset else None
     return scale, offset
 
 
 def _q8_x_block_sums(kb: KernelSpec, acc: dict, R: int, G: int, x: Buffer, xb: list[K], dot: dict, xsum: list,
-                     scale: list[K], offset: list | None) -> None:
+                     scale: list[K], offset: list | None, h: int) -> None:
     """A sub-block's integer sums (f32 or i32, xsum[r] scalar or as 16 equal lanes) into the f32
     sums: dot * (d_w * d_x) [+ m_w * (d_x * Σ q_x)]."""
     V = F32.vec(COLS)
     for r in range(R):
-        dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
-        xs = kb.let(f"xs{r}", dx * cast(F32.vec(xsum[r].dtype.lanes), xsum[r])) if offset else None
+        dx = kb.let(f"dx{r}_{h}", x.load(xb[r] / 2, "f16"))
+        xs = kb.let(f"xs{r}_{h}", dx * cast(F32.vec(xsum[r].dtype.lanes), xsum[r])) if offset else None
         for j in range(G):
             kb.set(acc[r, j], call("fma", cast(V, dot[r, j]), scale[j] * dx, acc[r, j]))
             if offset:
@@ -643,39 +644,42 @@ def _q8_x_block_sums(kb: KernelSpec, acc: dict, R: int, G: int, x: Buffer, xb: l
 def _q8_x_tile_blocks(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, R: int,
                       rows: list[K], reader, body: Callable) -> None:
     """The loops of a Q8_X_TYPES tile over Q8_0 x: weight blocks b, each group's block read
-    through `reader(buffer, u16 index of the block)`, and its 32-element sub-blocks s, each
-    with the Q8_0 block of x it meets: body(blocks, s, xb) with xb row r's x block (a byte)."""
-    subs = dtype.block_size // 32
+    through `reader(buffer, u16 index of the block)`, and its runs s of 32 elements, each with
+    the Q8_0 block of x it meets: body(blocks, s, xb), xb[r] row r's x block (a byte)."""
+    runs = dtype.block_size // 32
     with kb.loop("b", 0, nb) as b:
         blocks = [reader(w, kb.let(f"at{j}", base / 2 + b * (dtype.block_bytes // 2 * COLS)))
                   for j, (w, base) in enumerate(groups)]
-        with kb.loop("s", 0, subs) as s:
-            xb = [kb.let(f"xb{r}", ((rows[r] * nb + b) * subs + s) * Q8_BLOCK) for r in range(R)]
+        with kb.loop("s", 0, runs) as s:
+            xb = [kb.let(f"xb{r}", ((rows[r] * nb + b) * runs + s) * Q8_BLOCK) for r in range(R)]
             body(blocks, s, xb)
 
 
 def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
                           R: int, q8_x: tuple[Buffer, list[K]]) -> None:
     """tile_sums of a Q8_X_TYPES block type's pack (quant.pack_blocks_cols16) over Q8_0 x: per
-    32-element sub-block, each code times x's quant summed exactly (integer-valued f32, below
-    2^24), and x's quants summed where the type has a min; then _q8_x_block_sums. The same
-    integers as _dp4_block_tile_sums', so the same outputs bit for bit."""
+    sub-block (32 elements, or each 16-element half of x's block), each code times x's quant
+    summed exactly (integer-valued f32, below 2^24), and x's quants summed where the type has
+    a min; then _q8_x_block_sums. The same integers as _dp4_block_tile_sums', so the same
+    outputs bit for bit."""
     fmt, V, G = DECODERS[dtype], F32.vec(COLS), len(groups)
     x, rows = q8_x
+    halves = 32 // fmt.sub
 
     def body(blocks, s, xb):
-        scale, offset = _sub_parts(kb, dtype, blocks, s)
-        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(V, 0.0)) for key in acc}
-        xsum = [kb.let(f"xsum{r}", 0.0) for r in range(R)] if offset else []
-        with kb.loop("e", 0, 32, unroll=UNROLL) as e:
-            code = [kb.let(f"w{j}", fmt.code(blk, s * 32 + e)) for j, blk in enumerate(blocks)]
-            for r in range(R):
-                xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + e, "i8")))
-                if offset:
-                    kb.set(xsum[r], xsum[r] + xv)
-                for j in range(G):
-                    kb.set(dot[r, j], call("fma", code[j], xv, dot[r, j]))
-        _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset)
+        for h in range(halves):
+            scale, offset = _sub_parts(kb, dtype, blocks, s * halves + h, h)
+            dot = {key: kb.let(f"dot{key[0]}_{key[1]}_{h}", cast(V, 0.0)) for key in acc}
+            xsum = [kb.let(f"xsum{r}_{h}", 0.0) for r in range(R)] if offset else []
+            with kb.loop("e", h * fmt.sub, (h + 1) * fmt.sub, unroll=UNROLL) as e:
+                code = [kb.let(f"w{j}", fmt.code(blk, s * 32 + e)) for j, blk in enumerate(blocks)]
+                for r in range(R):
+                    xv = kb.let(f"x{r}", cast(F32, x.load(xb[r] + 2 + e, "i8")))
+                    if offset:
+                        kb.set(xsum[r], xsum[r] + xv)
+                    for j in range(G):
+                        kb.set(dot[r, j], call("fma", code[j], xv, dot[r, j]))
+            _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset, h)
 
     _q8_x_tile_blocks(kb, dtype, groups, nb, R, rows, Cols16Loads, body)
 
@@ -685,20 +689,18 @@ ONES = 0x01010101  # VPDPBUSD against bytes of 1: the sum of four signed bytes
 
 def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
                          R: int, q8_x: tuple[Buffer, list[K]]) -> None:
-    """_q8_x_block_tile_sums with VPDPBUSD on a 4/5-bit type's dp4 pack
-    (quant.pack_blocks_cols16_dp4, read as quant.DP4_TYPES says): per four codes of a sub-block,
-    a 32-bit word per lane of their unsigned bytes (masks and shifts of the pack's words, each
-    loaded once per sub-block), multiplied with x's signed quants; a code bias (-8, -16) comes
+    """_q8_x_block_tile_sums with VPDPBUSD on a 4-to-6-bit type's dp4 pack
+    (quant.pack_blocks_cols16_dp4, read as quant.DP4_TYPES says): per four codes, a 32-bit
+    word per lane of their unsigned bytes (masks and shifts of the pack's words, each loaded
+    once per run of 32), multiplied with x's signed quants; a code bias (-8, -16, -32) comes
     off as bias * Σ q_x, that sum taken by the same instruction on bytes of 1."""
     I, G = I32.vec(COLS), len(groups)
-    words = DP4_TYPES[dtype]
+    words, fmt = DP4_TYPES[dtype], DECODERS[dtype]
     x, rows = q8_x
+    quads = fmt.sub // 4  # quads of codes per sub-block
 
     def body(blocks, s, xb):
-        scale, offset = _sub_parts(kb, dtype, blocks, s)
-        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, 0)) for key in acc}
-        xsum = [kb.let(f"xsum{r}", cast(I, 0)) for r in range(R)]
-        loaded = [{} for _ in blocks]  # each group's words of this sub-block, loaded once
+        loaded = [{} for _ in blocks]  # each group's words of this run, loaded once
 
         def word(j):
             def load(i):
@@ -706,17 +708,21 @@ def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer
                     loaded[j][i] = kb.let(f"wd{j}_{len(loaded[j])}", blocks[j].word(i))
                 return loaded[j][i]
             return load
-        for q in range(8):
-            codes = [kb.let(f"c{j}_{q}", words.codes(word(j), s, q)) for j in range(G)]
-            for r in range(R):
-                xq = kb.let(f"xq{r}_{q}", cast(I, _q8_words(x, xb[r], q)))
-                kb.set(xsum[r], dpbusd(xsum[r], cast(I, ONES), xq))
-                for j in range(G):
-                    kb.set(dot[r, j], dpbusd(dot[r, j], codes[j], xq))
-        if words.bias:
-            for key in acc:
-                kb.set(dot[key], dot[key] - xsum[key[0]] * words.bias)
-        _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset)
+        for h in range(8 // quads):
+            scale, offset = _sub_parts(kb, dtype, blocks, s * (8 // quads) + h, h)
+            dot = {key: kb.let(f"dot{key[0]}_{key[1]}_{h}", cast(I, 0)) for key in acc}
+            xsum = [kb.let(f"xsum{r}_{h}", cast(I, 0)) for r in range(R)]
+            for q in range(h * quads, (h + 1) * quads):
+                codes = [kb.let(f"c{j}_{q}", words.codes(word(j), s, q)) for j in range(G)]
+                for r in range(R):
+                    xq = kb.let(f"xq{r}_{q}", cast(I, _q8_words(x, xb[r], q)))
+                    kb.set(xsum[r], dpbusd(xsum[r], cast(I, ONES), xq))
+                    for j in range(G):
+                        kb.set(dot[r, j], dpbusd(dot[r, j], codes[j], xq))
+            if words.bias:
+                for key in acc:
+                    kb.set(dot[key], dot[key] - xsum[key[0]] * words.bias)
+            _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset, h)
 
     _q8_x_tile_blocks(kb, dtype, groups, nb, R, rows, lambda w, at: Dp4Loads(w, at, words.head), body)
 

@@ -8,10 +8,10 @@ what a kernel generator needs without looking at shapes: `form` (gemv for a few 
 gemm for many), the constants K and N, the weight `layout` a backend packs, an optional
 fused `residual` input (out = x @ wᵀ + residual).
 
-A product over a weight of quant.Q8_X_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K) whose
-x is itself Q8_0 (made by `quantize_q8_0`, llama.cpp's quantize_row_q8_0: per 32-element
+A product over a weight of quant.Q8_X_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+whose x is itself Q8_0 (made by `quantize_q8_0`, llama.cpp's quantize_row_q8_0: per 32-element
 block an fp16 scale and 32 int8) is llama.cpp's product of such a weight with quantised
-activations: per 32-element sub-block, the integer dot of the weight's codes and x's quants,
+activations: per sub-block (32 elements, Q6_K's 16), the integer dot of the weight's codes and x's quants,
 times the sub-block's scale * d_x, plus, for the types with a min (Q4_1, Q5_1, the K-quants'
 -dmin * m), that times d_x * (the sum of x's quants) (llama.cpp keeps that as Q8_1's `s`,
 rounded to f16, and gives the K-quants Q8_K x, one scale per 256; here it stays f32). The
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..blocks import DECODERS
 from ..dtypes import DType
 from ..quant import Q8_X_TYPES, block_parts, quantize_q8_0
 from ..types import TensorType
@@ -66,16 +67,18 @@ def _specialised(dtype: DType) -> None:
 
 
 def _matmul_q8_x(x: np.ndarray, w: np.ndarray, dtype: DType) -> np.ndarray:
-    """Q8_0 x times a weight of Q8_X_TYPES: per 32-element sub-block the integer dot of x's
-    quants and w's codes (exact in f32: |sum| <= 32·127² < 2^24) times d_x·scale, plus
+    """Q8_0 x times a weight of Q8_X_TYPES: per sub-block the integer dot of x's quants and w's
+    codes (exact in f32: |sum| <= 32·127² < 2^24) times d_x·scale, plus
     offset·(d_x·Σ q_x) where w has one."""
     lead = x.shape[:-1]
-    dx, qx, _ = block_parts(x.reshape(-1, x.shape[-1]), DType.Q8_0)  # [T, nb], [T, nb, 32]
+    dx, qx, _ = block_parts(x.reshape(-1, x.shape[-1]), DType.Q8_0)  # [T, K/32], [T, K/32, 32]
+    sub = 32 if dtype is DType.Q8_0 else DECODERS[dtype].sub  # w's sub-blocks: 32 or 16 elements
+    dx, qx = np.repeat(dx, 32 // sub, axis=1), qx.reshape(qx.shape[0], -1, sub)  # per sub-block
     out = np.empty((qx.shape[0], w.shape[0]), dtype=F32)
-    qx_b = qx.transpose(1, 0, 2)  # [nb, T, 32]
+    qx_b = qx.transpose(1, 0, 2)  # [nb, T, sub]
     x_sums = dx * qx.sum(axis=-1)  # [T, nb], exact integer sums times d_x
     for start in range(0, w.shape[0], _ROWS):
-        dw, qw, mw = block_parts(w[start:start + _ROWS], dtype)  # [n, nb], [n, nb, 32], [n, nb]
+        dw, qw, mw = block_parts(w[start:start + _ROWS], dtype)  # [n, nb], [n, nb, sub], [n, nb]
         sums = qx_b @ qw.transpose(1, 2, 0)  # [nb, T, n]
         part = np.einsum("btn,tb,nb->tn", sums, dx, dw, dtype=F32)
         out[:, start:start + _ROWS] = part if mw is None else part + np.einsum("tb,nb->tn", x_sums, mw, dtype=F32)

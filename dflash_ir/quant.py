@@ -138,14 +138,6 @@ def _decode_blocks(storage: np.ndarray, dtype: DType) -> np.ndarray:
     return values.reshape(*storage.shape[:-1], -1)  # every value depends on i: a new [..., nb, block] array
 
 
-# weight types whose products take Q8_0 activations in the `q8` numerics mode: those whose
-# sub-blocks (elements sharing a scale and offset) fit an activation block of 32 (32 long, or
-# Q6_K's 16) and whose codes are integers decoded arithmetically. llama.cpp pairs Q8_0 .. Q5_1 with Q8_0
-# activations (Q8_1 for Q4_1 / Q5_1: the same quants, plus each block's sum), the K-quants
-# with Q8_K (one scale per 256): here they take Q8_0 too, a finer quantisation
-Q8_X_TYPES = (DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K, DType.Q6_K)
-
-
 def block_parts(storage: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A Q8_X_TYPES storage [..., nb * block_bytes] as its sub-blocks' parts (sub = 32, or 16),
     K / sub of each per row: scales f32 [..., K/sub], integer codes as exact f32
@@ -255,6 +247,14 @@ TILED_BLOCK_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q2_K,
                      DType.Q6_K)
 
 
+# weight types whose products take Q8_0 activations in the `q8` numerics mode: the CPU tiles'
+# types and Q8_0, whose sub-blocks (elements sharing a scale and offset) fit an activation
+# block of 32 (32 long, or 16) and whose codes are integers. llama.cpp pairs Q8_0 .. Q5_1 with
+# Q8_0 activations (Q8_1 for Q4_1 / Q5_1: the same quants, plus each block's sum), the
+# K-quants with Q8_K (one scale per 256): here they take Q8_0 too, a finer quantisation
+Q8_X_TYPES = (DType.Q8_0, *TILED_BLOCK_TYPES)
+
+
 def cols16_layout(dtype: DType, dp4: bool = False) -> str:
     """The name of `dtype`'s CPU-tile pack (backends/plan.LAYOUTS); `dp4`: the one the tiles
     read 32-bit words of four codes from (Q8_0, DP4_TYPES)."""
@@ -318,7 +318,20 @@ def _q6_k_codes(word, s, q):
     return low | (((word(32 + 8 * (s >> 2) + q) >> (2 * (s & 3))) & 0x03030303) << 4)
 
 
+def _q2_k_codes(word, s, q):
+    """Q2_K: qs's 64 bytes from word 4 (byte 16), four 2-bit codes a byte: byte e of runs
+    4 (s >> 2) .. at 32 (s >> 2) + e, bits 2 (s & 3)."""
+    return (word(4 + 8 * (s >> 2) + q) >> (2 * (s & 3))) & 0x03030303
+
+
+def _q3_k_codes(word, s, q):
+    """Q3_K: qs as Q2_K's from word 8 (byte 32); hmask's 32 bytes from word 0, bit s of byte e
+    as code e's bit 2 (codes are that minus 4)."""
+    return ((word(8 + 8 * (s >> 2) + q) >> (2 * (s & 3))) & 0x03030303) | (((word(q) >> s) & 0x01010101) << 2)
+
+
 DP4_TYPES = {DType.Q4_0: Dp4Words(2, _low_nibbles(0), 8), DType.Q4_1: Dp4Words(4, _low_nibbles(0)),
+             DType.Q2_K: Dp4Words(0, _q2_k_codes, tail=4), DType.Q3_K: Dp4Words(0, _q3_k_codes, 4, tail=2),
              DType.Q5_0: Dp4Words(2, _with_qh(1), 16), DType.Q5_1: Dp4Words(4, _with_qh(1)),
              DType.Q4_K: Dp4Words(4, _k_nibbles), DType.Q5_K: Dp4Words(4, _q5_k_codes),
              DType.Q6_K: Dp4Words(0, _q6_k_codes, 32, tail=2)}

@@ -1,12 +1,12 @@
 """quantize_activations: products over weights of quant.Q8_X_TYPES (Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K, Q5_K, Q6_K: sub-blocks that fit a 32-element activation block) take Q8_0
-activations (the `q8` numerics mode).
+Q5_1 and the K-quants: integer codes in sub-blocks that fit a 32-element activation block)
+take Q8_0 activations (the `q8` numerics mode).
 
 Every such `matmul_<type>` and `matmul_group` whose x is f32 reads `quantize_q8_0(x)`
 instead, as llama.cpp's CPU path does for the first five: its products become exact integer
 sums per sub-block scaled by both scales (dflash_ir/ops/specialised.py). llama.cpp quantises
-the K-quants' activations to Q8_K (one scale per 256); Q8_0 is the finer choice. Q2_K, Q3_K
-and the codebook types keep f32 activations. One x is
+the K-quants' activations to Q8_K (one scale per 256); Q8_0 is the finer choice. The codebook
+types (IQ4_NL, IQ4_XS, MXFP4) keep f32 activations. One x is
 quantised once however many products read it (identical nodes are shared by the rewrite
 engine). Under `exact` numerics (the default) this pass does not run.
 """

@@ -184,7 +184,7 @@ for _i, _dt in enumerate(DECODERS):
     case(f"matmul_{_dt}_{_t}_rows", T=_t)(_specialised(OPS[_dt], _dt, "gemv" if _t <= 16 else "gemm", residual=_i == 1,
                                                        k=2 * _dt.block_size if _dt.block_size > 32 else 320, n=19))
 # Q8_0 x (the q8 numerics mode) times every other type of quant.Q8_X_TYPES: integer block sums
-for _dt, _t in zip(Q8_X_TYPES[1:], (1, 3, 20, 37, 2, 16, 5)):
+for _dt, _t in zip(Q8_X_TYPES[1:], (1, 3, 20, 37, 2, 16, 5, 1, 9)):
     case(f"matmul_{_dt}_q8_x_{_t}_rows", T=_t)(_specialised(OPS[_dt], _dt, "gemv" if _t <= 16 else "gemm",
                                                             residual=_t == 3, q8=True, k=max(96, 2 * _dt.block_size), n=19))
 case("matmul_group_q4_1_2_rows_q8_x", T=2)(lambda c: c.out(*c.b.matmul_group(

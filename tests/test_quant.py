@@ -204,7 +204,13 @@ def test_block_cols16_refuses_odd_blocks_and_packs_expert_banks_matrix_by_matrix
     into = np.full(packed.size, 0xA5, np.uint8)  # a mapped buffer's old bytes
     assert pack_blocks_cols16(bank, DType.Q4_K, out=into) is into and np.array_equal(into, packed)
 
-DP4 = [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q4_K, DType.Q5_K, DType.Q6_K]
+DP4 = [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K]
+
+
+def test_every_type_of_the_cpu_tiles_has_dp4_words():
+    from dflash_ir.quant import DP4_TYPES, Q8_X_TYPES, TILED_BLOCK_TYPES
+
+    assert set(DP4_TYPES) == set(TILED_BLOCK_TYPES) == set(DP4) == set(Q8_X_TYPES) - {DType.Q8_0}
 
 
 @pytest.mark.parametrize("dtype", DP4)

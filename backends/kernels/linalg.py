@@ -24,7 +24,7 @@ from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, d
 from ..kir.build import Buffer, KernelBuilder
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, SIGMOID, Cols16Loads, Dp4Loads, q8_row_bytes, weight_at, weight_chunk
-from dflash_ir.quant import COLS_BLOCK_BYTES, DP4_TYPES, Q8_X_TYPES, TILED_BLOCK_TYPES, cols16_layout
+from dflash_ir.quant import COLS_BLOCK_BYTES, DP4_TYPES, TILED_BLOCK_TYPES, cols16_layout
 from .fused import fused_matmul_parts
 from .shapes import FLAT, cdiv, flat_launch, prod
 
@@ -75,15 +75,13 @@ def embedding(ctx: NodeCtx) -> None:
 def tile_layout(ctx: NodeCtx, x_q8: bool, dtype: DType = DType.Q8_0) -> str:
     """The pack the CPU tiles read: Q8_0's, or another block type's words side by side; the
     dp4 one of either where they sum Q8_0 x with VPDPBUSD."""
-    dp4 = x_q8 and "avx512_vnni" in ctx.isa and (dtype is DType.Q8_0 or dtype in DP4_TYPES)
-    return cols16_layout(dtype, dp4)
+    return cols16_layout(dtype, x_q8 and "avx512_vnni" in ctx.isa)
 
 
-def tiled(x: Value, w: Value) -> bool:
-    """Whether the CPU tiles take x @ wᵀ: Q8_0 weights, another block type's times f32 x, or
-    a Q8_X_TYPES weight's times Q8_0 x."""
-    dtype, x_dtype = w.type.dtype, x.type.dtype
-    return dtype is DType.Q8_0 or (dtype in TILED_BLOCK_TYPES and (x_dtype is DType.F32 or dtype in Q8_X_TYPES))
+def tiled(w: Value) -> bool:
+    """Whether the CPU tiles take products over weight w (f32 x, or Q8_0 x: quant.Q8_X_TYPES
+    are these types)."""
+    return w.type.dtype is DType.Q8_0 or w.type.dtype in TILED_BLOCK_TYPES
 
 
 def group_bytes(dtype: DType, k: int) -> int:
@@ -328,7 +326,7 @@ def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list,
     matmul) gets both and the launch picks one per call by its row count. CPU profile: block
     types in register tiles (_tiled_product, `tiled`), other weights in the rowwise schedule."""
     dtype, k = weights[0].type.dtype, weights[0].type.shape[1]
-    if ctx.profile == "cpu" and tiled(x_value, weights[0]):
+    if ctx.profile == "cpu" and tiled(weights[0]):
         _tiled_product(ctx, x_value, weights, outs, res[0] if res else None, norm=norm, swiglu=swiglu)
         return
     widths = [o.type.shape[-1] for o in outs]
@@ -822,7 +820,7 @@ def fused_matmul(ctx: NodeCtx) -> None:
     x, *operands = ctx.ins
     norm = (operands[0], a["norm_eps"]) if a["norm_eps"] is not None else None
     weights = operands[1:] if norm else operands
-    cpu_tiles = ctx.profile == "cpu" and tiled(x, weights[0])
+    cpu_tiles = ctx.profile == "cpu" and tiled(weights[0])
     gpu_gemv = ctx.profile == "gpu" and a["form"] == "gemv" and x.type.dtype is DType.F32
     if not (cpu_tiles or gpu_gemv):
         fused_matmul_parts(ctx)

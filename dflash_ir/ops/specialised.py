@@ -8,11 +8,11 @@ what a kernel generator needs without looking at shapes: `form` (gemv for a few 
 gemm for many), the constants K and N, the weight `layout` a backend packs, an optional
 fused `residual` input (out = x @ wᵀ + residual).
 
-A product over a weight of quant.Q8_X_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+A product over a weight of quant.Q8_X_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants)
 whose x is itself Q8_0 (made by `quantize_q8_0`, llama.cpp's quantize_row_q8_0: per 32-element
 block an fp16 scale and 32 int8) is llama.cpp's product of such a weight with quantised
-activations: per sub-block (32 elements, Q6_K's 16), the integer dot of the weight's codes and x's quants,
-times the sub-block's scale * d_x, plus, for the types with a min (Q4_1, Q5_1, the K-quants'
+activations: per sub-block (32 elements, or 16), the integer dot of the weight's codes and
+x's quants, times the sub-block's scale * d_x, plus, for the types with a min (Q4_1, Q5_1, the K-quants'
 -dmin * m), that times d_x * (the sum of x's quants) (llama.cpp keeps that as Q8_1's `s`,
 rounded to f16, and gives the K-quants Q8_K x, one scale per 256; here it stays f32). The
 integer parts do not depend on how a kernel orders them, so a row's result does not depend

@@ -58,9 +58,9 @@ def test_q8_0_times_q8_0_is_integer_block_sums_times_both_scales():
     assert np.abs(got - exact).max() <= 1e-2 * np.abs(exact).max()
 
 
-def test_q4_0_to_q5_1_and_q4_k_to_q6_k_are_quantised_and_the_others_keep_f32():
-    """Q4_0 .. Q5_1, Q4_K, Q5_K and Q6_K products take Q8_0 x as Q8_0's do (llama.cpp: Q8_0 /
-    Q8_1 activations, Q8_K for the K-quants); Q2_K, Q3_K and the codebook types keep f32 x."""
+def test_every_type_but_the_codebooks_is_quantised():
+    """Q4_0 .. Q5_1 and the K-quants take Q8_0 x as Q8_0's do (llama.cpp: Q8_0 / Q8_1
+    activations, Q8_K for the K-quants); the codebook types (IQ4_NL, IQ4_XS) keep f32 x."""
     from dflash_ir.builder import GraphBuilder
     from dflash_ir.passes.specialise_matmul import specialise_matmul
 
@@ -73,7 +73,7 @@ def test_q4_0_to_q5_1_and_q4_k_to_q6_k_are_quantised_and_the_others_keep_f32():
     out = quantize_activations(specialise_matmul(b.build()))
     values = out.values()
     x_dtype = {values[n.inputs[1]].type.dtype: values[n.inputs[0]].type.dtype for n in out.nodes if n.op.startswith("matmul_")}
-    assert x_dtype == {d: DType.Q8_0 if i < 8 else DType.F32 for i, d in enumerate(types)}
+    assert x_dtype == {d: DType.Q8_0 if i < 10 else DType.F32 for i, d in enumerate(types)}
     assert out.op_counts()["quantize_q8_0"] == 1
 
 
@@ -115,9 +115,9 @@ def test_q8_0_x_times_a_4_or_5_bit_weight_is_integer_sums_times_scales_plus_the_
     assert np.abs(got - exact).max() <= 2e-2 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("dtype", [DType.Q4_K, DType.Q5_K, DType.Q6_K])
+@pytest.mark.parametrize("dtype", [DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K])
 def test_q8_0_x_times_a_k_quant_is_the_product_of_both_dequantised(dtype):
-    """Per sub-block (32 elements, Q6_K's 16), integer sums times d·sc_j·d_x [minus
+    """Per sub-block (32 or 16 elements), integer sums times d·sc_j·d_x [minus
     dmin·m_j·d_x·Σq_x]: in exact arithmetic the product of gguf-py's dequantised weight with
     the dequantised x."""
     from gguf import GGMLQuantizationType as GT

@@ -104,6 +104,10 @@ class ScriptedLengths:
     def choose(self, n_max):
         return next(self.lengths)
 
+    def learned(self):
+        """A script learns nothing for a later engine to recall."""
+        return None
+
     def decoding(self, idle):
         return False
 

@@ -102,12 +102,13 @@ class Engine:
             self.controller.recall(learned)
 
     def _keep_acceptance(self) -> None:
-        if self.controller is None or self.acceptance_file is None or not self.controller.trials.any():
+        learned = self.controller.learned() if self.controller is not None and self.acceptance_file else None
+        if not learned or not any(learned["trials"]):
             return
         tmp = self.acceptance_file.with_suffix(f".{os.getpid()}.tmp")
         try:
             self.acceptance_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self.controller.learned()))
+            tmp.write_text(json.dumps(learned))
             os.replace(tmp, self.acceptance_file)
         except OSError:  # a cache that cannot be written costs the next process its head start only
             tmp.unlink(missing_ok=True)

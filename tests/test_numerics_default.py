@@ -1,5 +1,5 @@
-"""The default numerics mode is `exact` on every backend (README: q8 is slower on PoCL and
-lavapipe, the CPU devices this project runs on): what dflash-compile writes when
+"""The default numerics mode is `exact` on every backend (README: q8's quantisation launches
+kernels of its own, which a small model's decode pays for): what dflash-compile writes when
 --numerics is not given."""
 import yaml
 

@@ -9,7 +9,9 @@ weight vectors) and writes silu(gate) * up directly. Two rules, to a fixpoint:
 - `norm`: a matmul_group, specialised matmul (without residual) or fused_matmul without a
   prologue, whose f32 x is an rmsnorm read only by such products, takes the norm's input and
   weight (`norm_eps`); with several readers (a Q4_K_M layer's Q6_K v projection beside its
-  Q4_K group: products of different types are not grouped) each recomputes the row's RMS;
+  Q4_K group: products of different types are not grouped) each recomputes the row's RMS.
+  Under `q8` numerics the products read quantize_q8_0(rmsnorm(x)): the quantize takes the
+  norm the same way, so one kernel writes the normalised row's Q8_0 blocks;
 - `swiglu`: swiglu(p0, p1) where p0 and p1 are the two outputs of one matmul_group or
   fused_matmul, read by nothing else, becomes that product with epilogue "swiglu".
 Products of every stored weight type fuse (Q8_0, F16 and the block types of a Q4_K_M file):
@@ -44,15 +46,16 @@ def _product_attrs(node) -> dict | None:
 
 
 def _takes_norm(node, x) -> bool:
+    if node.op == "quantize_q8_0":
+        return node.attr.get("norm_eps") is None
     attrs = _product_attrs(node)
     return attrs is not None and attrs["norm_eps"] is None and node.inputs[0] == x.name and x.name not in node.inputs[1:]
 
 
 def _norm(m, emit):
     node = m.root
-    attrs = _product_attrs(node)
     x = emit.value(node.inputs[0])
-    if attrs is None or attrs["norm_eps"] is not None or emit.kind(x) != "node":
+    if not _takes_norm(node, x) or emit.kind(x) != "node":
         return None
     readers = emit.readers(x)
     if emit.uses(x) != len(readers) or not all(_takes_norm(r, x) for r in readers):
@@ -61,7 +64,9 @@ def _norm(m, emit):
     if norm.op != "rmsnorm" or len(norm.inputs) != 2 or x.type.dtype is not DType.F32:
         return None
     operands = [emit.value(n) for n in (*norm.inputs, *node.inputs[1:])]
-    out = emit.op("fused_matmul", *operands, **{**attrs, "norm_eps": norm.attr["eps"]})
+    if node.op == "quantize_q8_0":
+        return {node.outputs[0]: emit.op("quantize_q8_0", *operands, norm_eps=norm.attr["eps"])}
+    out = emit.op("fused_matmul", *operands, **{**_product_attrs(node), "norm_eps": norm.attr["eps"]})
     return dict(zip(node.outputs, out if isinstance(out, tuple) else (out,)))
 
 
@@ -77,7 +82,7 @@ def _swiglu(m, emit):
     return emit.op("fused_matmul", *(emit.value(n) for n in node.inputs), **{**attrs, "epilogue": "swiglu"})
 
 
-RULES = [Rule("norm", P(("matmul_group", *PRODUCTS, "fused_matmul"), output=None), _norm),
+RULES = [Rule("norm", P(("matmul_group", *PRODUCTS, "fused_matmul", "quantize_q8_0"), output=None), _norm),
          Rule("swiglu", P("swiglu", V("gate"), V("up")), _swiglu)]
 
 

@@ -170,6 +170,17 @@ for _form, _t in (("gemv", 1), ("gemv", 3), ("gemv", 20), ("gemm", 37), ("gemm",
 for _t in (1, 6):  # K = 34 blocks: scale runs of 16 and a tail of two, Q8_0 x Q8_0
     case(f"matmul_q8_0_q8_x_scale_runs_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, "gemv", False, True, 1088))
 case("quantize_q8_0", T=5)(lambda c: c.out(c.b.op("quantize_q8_0", c.x("x", ("T", 3, 96), scale=4.0))))
+
+
+@case("quantize_q8_0_norm", T=5)
+def _quantize_normed(c: CaseBuilder) -> None:
+    """x on a grid of 1/8 (its squares sum exactly in any order), so the kernel's row RMS has
+    the interpreter's bits and the quants compare exactly."""
+    x = c.x("x", ("T", 2, 96), scale=2.0)
+    c.inputs["x"] = np.round(c.inputs["x"] * 8) / 8
+    c.out(c.b.op("quantize_q8_0", x, c.w("norm", (96,), F32), norm_eps=1e-6))
+
+
 for _dt, _t, _q8 in ((Q8, 1, False), (Q8, 5, False), (F16, 3, False), (Q8, 4, True)):  # q/k/v-like: 24 + 8 + 36
     case(f"matmul_group_{_dt}_{_t}_rows{'_q8_x' if _q8 else ''}", T=_t)(lambda c, dt=_dt, q8=_q8: c.out(
         *c.b.matmul_group(c.b.op("quantize_q8_0", c.x("x", ("T", 64))) if q8 else c.x("x", ("T", 64)),

@@ -26,6 +26,7 @@ from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, SIGMOID, Cols16Loads, Dp4Loads, q8_row_bytes, weight_at, weight_chunk
 from dflash_ir.quant import COLS_BLOCK_BYTES, DP4_TYPES, TILED_BLOCK_TYPES, cols16_layout
 from .fused import fused_matmul_parts
+from .reduce import inverse_rms, row_threads
 from .shapes import FLAT, cdiv, flat_launch, prod
 
 GEMV_ROWS = 16    # rows a GEMV work-group sums at once, looping over groups of them (passes/specialise_matmul)
@@ -126,24 +127,45 @@ class Gemv:
 
 @lowers("quantize_q8_0")
 def quantize_q8_0(ctx: NodeCtx) -> None:
-    """A thread per 32-block, as quantize_row_q8_0: scale amax / 127 (stored as f16), quants
-    round(x / scale) with the unrounded scale's inverse."""
+    """A thread per 32-block; with the norm prologue a work-group per row, which first sums
+    the row's squares as the rmsnorm kernel does (the same bits as rmsnorm then quantize)."""
     x_value = ctx.ins[0]
-    total = prod(x_value.type.shape) / 32
-    kb = ctx.kernel("quantize_q8_0", local=(FLAT,))
-    x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)
-    i = kb.let("i", kb.gid(0) * FLAT + kb.lid(0))
-    kb.return_if(i >= total)
-    xr = kb.let("xr", cast(I64, i) * 32)
+    if ctx.attr.get("norm_eps") is None:
+        total = prod(x_value.type.shape) / 32
+        kb = ctx.kernel("quantize_q8_0", local=(FLAT,))
+        x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)
+        i = kb.let("i", kb.gid(0) * FLAT + kb.lid(0))
+        kb.return_if(i >= total)
+        xr = kb.let("xr", cast(I64, i) * 32)
+        _store_q8_block(kb, out, i, lambda e: x[xr + e])
+        kb.launch([cdiv(total, FLAT)])
+        return
+    w_value = ctx.ins[1]
+    n = x_value.type.shape[-1]
+    L, N = row_threads(n), dim(n)
+    kb = ctx.kernel("quantize_q8_0_norm", local=(L,))
+    x, w, out = kb.bind("x", x_value), kb.bind("w", w_value), kb.bind("out", ctx.outs[0], writes=True)
+    row = kb.let("row", kb.gid(0))
+    xr = kb.let("xr", cast(I64, row) * N)
+    r = inverse_rms(kb, x, xr, N, L, ctx.attr["norm_eps"])
+    with kb.loop("b", kb.lid(0), N / 32, L) as b:
+        def normed(e: K) -> K:
+            return x[xr + b * 32 + e] * r * weight_at(w_value.type.dtype, w, const(0), b * 32 + e, n)
+        _store_q8_block(kb, out, kb.let("blk", row * (n // 32) + b), normed)
+    kb.launch([prod(x_value.type.shape[:-1])])
+
+
+def _store_q8_block(kb: KernelSpec, out: Buffer, block: K, value: Callable[[K], K]) -> None:
+    """Q8_0 block `block` of out from the 32 values value(e), as quantize_row_q8_0: scale
+    amax / 127 (stored as f16), quants round(value / scale) with the unrounded scale's inverse."""
     amax = kb.let("amax", 0.0)
     with kb.loop("e", 0, 32) as e:
-        kb.set(amax, maximum(amax, call("fabs", x[xr + e])))
+        kb.set(amax, maximum(amax, call("fabs", value(e))))
     d = kb.let("d", amax / 127.0)
     inv = kb.let("inv", select(d.ne(0.0), 1.0 / d, 0.0))
-    out.store(cast(I64, i) * (Q8_BLOCK // 2), d, "f16")
+    out.store(cast(I64, block) * (Q8_BLOCK // 2), d, "f16")
     with kb.loop("e", 0, 32) as e:
-        out.store(cast(I64, i) * Q8_BLOCK + 2 + e, cast(I32, call("round", x[xr + e] * inv)), "u8")
-    kb.launch([cdiv(total, FLAT)])
+        out.store(cast(I64, block) * Q8_BLOCK + 2 + e, cast(I32, call("round", value(e) * inv)), "u8")
 
 
 def _q8_words(buf: Buffer, block: K, word: K) -> K:
@@ -814,14 +836,14 @@ def _store_member(kb: KernelBuilder, t: Tiled, i: int, out: Buffer, row: K, unit
 @lowers("fused_matmul")
 def fused_matmul(ctx: NodeCtx) -> None:
     """One kernel with the norm and the SwiGLU inside: the CPU tiles (block-type weights) and the
-    GPU GEMV (f32 x, a few rows). Elsewhere (a prefill's GEMM) the parts' kernels
-    (kernels/fused.py)."""
+    GPU GEMV (a few rows; x in f32, or in Q8_0 blocks without the norm: the q8 numerics'
+    SwiGLU). Elsewhere (a prefill's GEMM) the parts' kernels (kernels/fused.py)."""
     a = ctx.attr
     x, *operands = ctx.ins
     norm = (operands[0], a["norm_eps"]) if a["norm_eps"] is not None else None
     weights = operands[1:] if norm else operands
     cpu_tiles = ctx.profile == "cpu" and tiled(weights[0])
-    gpu_gemv = ctx.profile == "gpu" and a["form"] == "gemv" and x.type.dtype is DType.F32
+    gpu_gemv = ctx.profile == "gpu" and a["form"] == "gemv" and (x.type.dtype is DType.F32 or norm is None)
     if not (cpu_tiles or gpu_gemv):
         fused_matmul_parts(ctx)
         return

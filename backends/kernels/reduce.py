@@ -11,14 +11,27 @@ from . import access
 from .shapes import FLAT, cdiv, flat_index, flat_launch, pow2_threads, prod
 
 
-def _row_threads(n) -> int:
+def row_threads(n) -> int:
     return pow2_threads(n) if isinstance(n, int) else 256
+
+
+def inverse_rms(kb, x, xr: K, n: K, threads: int, eps: float, mean: bool = True) -> K:
+    """1 / sqrt(mean(x²) + eps) (sum with mean=False) of the row at xr, summed by the
+    work-group's `threads` in a tree: every kernel that normalises a row gets the same bits."""
+    lid = kb.lid(0)
+    red = kb.array("red", F32, threads, "local")
+    acc = kb.let("acc", 0.0)
+    with kb.loop("k", lid, n, threads) as k:
+        kb.set(acc, acc + x[xr + k] * x[xr + k])
+    red[lid] = acc
+    kb.wg_reduce(red, threads, "sum")
+    return kb.let("r", 1.0 / call("sqrt", (red[0] / n if mean else red[0]) + float(eps)))
 
 
 def _norm(ctx: NodeCtx, mean: bool) -> None:
     x_value = ctx.ins[0]
     n = x_value.type.shape[-1]
-    L, N = _row_threads(n), dim(n)
+    L, N = row_threads(n), dim(n)
     kb = ctx.kernel(ctx.node.op, local=(L,))
     x = kb.bind("x", x_value)
     w_value = ctx.ins[1] if len(ctx.ins) > 1 else None
@@ -26,13 +39,7 @@ def _norm(ctx: NodeCtx, mean: bool) -> None:
     out = kb.bind("out", ctx.outs[0], writes=True)
     row, lid = kb.let("row", kb.gid(0)), kb.let("lid", kb.lid(0))
     xr = kb.let("xr", cast(I64, row) * N)
-    red = kb.array("red", F32, L, "local")
-    acc = kb.let("acc", 0.0)
-    with kb.loop("k", lid, N, L) as k:
-        kb.set(acc, acc + x[xr + k] * x[xr + k])
-    red[lid] = acc
-    kb.wg_reduce(red, L, "sum")
-    r = kb.let("r", 1.0 / call("sqrt", (red[0] / N if mean else red[0]) + float(ctx.attr["eps"])))
+    r = inverse_rms(kb, x, xr, N, L, ctx.attr["eps"], mean)
     with kb.loop("k", lid, N, L) as k:
         value = x[xr + k] * r
         out[xr + k] = value * access.weight_at(w_value.type.dtype, w, const(0), k, n) if w else value
@@ -63,7 +70,7 @@ def softmax(ctx: NodeCtx) -> None:
     shape = x_value.type.shape
     a = ctx.attr.get("axis", -1) % len(shape)
     n, inner = shape[a], prod(shape[a + 1:])
-    L, N = _row_threads(n), dim(n)
+    L, N = row_threads(n), dim(n)
     kb = ctx.kernel("softmax", local=(L,))
     x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)
     line, lid = kb.let("line", kb.gid(0)), kb.let("lid", kb.lid(0))
@@ -93,7 +100,7 @@ def argmax(ctx: NodeCtx) -> None:
     pairs in local memory that keeps the lower index on ties, as numpy does."""
     x_value = ctx.ins[0]
     n = x_value.type.shape[-1]
-    L, N = _row_threads(n), dim(n)
+    L, N = row_threads(n), dim(n)
     kb = ctx.kernel("argmax", local=(L,))
     x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)
     row, lid = kb.let("row", kb.gid(0)), kb.let("lid", kb.lid(0))

@@ -71,6 +71,8 @@ def quantize_q8_0(ctx: TVMNodeCtx) -> None:
     """A point per 32-block: scale amax / 127 stored as f16 bits, quants round-half-away of
     x times the unrounded scale's inverse (quantize_row_q8_0)."""
     x = ctx.ins[0]
+    if ctx.attr.get("norm_eps") is not None:  # the norm prologue: the rmsnorm first, into a temporary
+        x = ctx.sub("rmsnorm", x, ctx.ins[1], eps=ctx.attr["norm_eps"])
     k = x.type.shape[-1]
     blocks = k // 32
     at = f"x[row * {k} + b * 32 + e]"

@@ -106,17 +106,25 @@ def matmul_group(x, *weights, op, form, K, Ns, layout):
                  for w, n in zip(weights, Ns))
 
 
-def _quantize_rule(x: TensorType) -> TensorType:
+def _quantize_rule(x: TensorType, *norm_weight: TensorType, norm_eps=None) -> TensorType:
     expect_dtype("x", x, DType.F32)
     check(x.rank >= 1 and isinstance(x.shape[-1], int) and x.shape[-1] % _BLOCK == 0,
           f"quantize_q8_0 needs a static last dim that is a multiple of {_BLOCK}, got {x}")
+    check(len(norm_weight) == (norm_eps is not None),
+          f"quantize_q8_0 takes a norm weight exactly when norm_eps is given, got {len(norm_weight)} and {norm_eps!r}")
+    if norm_eps is not None:
+        get_op("rmsnorm").output_types([x, *norm_weight], {"eps": norm_eps})
     return TensorType(DType.Q8_0, x.shape)
 
 
 @defop("quantize_q8_0", _quantize_rule)
-def quantize_q8_0_op(x):
+def quantize_q8_0_op(x, *norm_weight, norm_eps=None):
     """x quantised to Q8_0 blocks along its last dim, as llama.cpp's quantize_row_q8_0
-    (the activations of a Q8_0 x Q8_0 product)."""
+    (the activations of a Q8_0 x Q8_0 product). With `norm_eps`, x is first RMS-normalised
+    with the weight (rmsnorm's reference): the quantised products' prologue, one kernel
+    where the norm and the quantisation would be two (passes/fuse_matmul.py)."""
+    if norm_eps is not None:
+        x = get_op("rmsnorm").run([x, *norm_weight], {"eps": norm_eps})[0]
     return quantize_q8_0(x)
 
 

@@ -93,6 +93,21 @@ def test_a_q4_k_m_file_is_five_launches_per_layer(tmp_path, name, rows, profile)
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_q8_numerics_quantise_a_norm_in_one_launch(tmp_path, profile):
+    """Under q8 each product's x is quantised by a launch of its own. Where the x is a norm's
+    output the norm and the quantisation are one launch (quantize_q8_0 with the norm prologue):
+    per layer the two norm-fed products' x, and the final norm; the core's output and the
+    SwiGLU's are quantised on their own. So nine launches a layer, not eleven."""
+    graph = open_pair(*_pair(tmp_path, "q8_0"), opt_level=2, numerics="q8").graphs["target.decode"]
+    kernels = launched(graph, profile, 1)
+    normed = [k for k in kernels if k.startswith("quantize_q8_0_norm")]
+    plain = [k for k in kernels if k.startswith("quantize_q8_0") and k not in normed]
+    assert not [k for k in kernels if k.startswith("rmsnorm")]
+    assert len(normed) == 2 * LAYERS + 1 and len(plain) == 2 * LAYERS
+    assert len(kernels) == (PER_LAYER + 4) * LAYERS + 5
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_a_prefill_attention_layer_writes_its_rows_then_attends(graphs, profile):
     kernels = launched(graphs["target.prefill"], profile, 64)
     writes = [i for i, k in enumerate(kernels) if k.startswith("new_kv")]

@@ -30,12 +30,26 @@ def test_norms_and_mlp_swiglus_fold_into_the_products_bit_identically(tiny_model
         assert worst_relative(before, after, pair.weights) == 0.0, name
 
 
-def test_q8_numerics_keep_the_norm_out_of_the_product(tiny_models):
-    """The norm's output is quantised first: the product's x is the quantize, not the norm."""
-    g = run_pipeline(tiny_models("qwen35", "q8_0").graphs["target.decode"], numerics="q8")
-    fused = [n for n in g.nodes if n.op == "fused_matmul"]
-    assert fused and all(n.attr["norm_eps"] is None for n in fused)
-    assert any(n.attr["epilogue"] == "swiglu" for n in fused)
+def _norm_fed_quantizes(graph) -> int:
+    producers = graph.producers()
+    return sum(1 for n in graph.nodes if n.op == "quantize_q8_0" and producers[n.inputs[0]].op == "rmsnorm")
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_q8_numerics_fold_the_norm_into_the_quantize(tiny_models, worst_relative, arch):
+    """Under q8 the products read quantize_q8_0(rmsnorm(x)): every such quantize takes the norm
+    (one kernel, bit-identical), and the products keep their x as the quantize."""
+    pair = tiny_models(arch, "q8_0")
+    for name in ("target.decode", "draft.block"):
+        before = run_pipeline(pair.graphs[name], numerics="q8", skip=["fuse_matmul"])
+        after = fuse_matmul(before)
+        normed = [n for n in after.nodes if n.op == "quantize_q8_0" and n.attr.get("norm_eps") is not None]
+        assert _norm_fed_quantizes(before) > 0 and _norm_fed_quantizes(after) == 0, name
+        assert len(normed) == _norm_fed_quantizes(before), name
+        assert after.op_counts().get("rmsnorm", 0) == before.op_counts()["rmsnorm"] - len(normed), name
+        fused = [n for n in after.nodes if n.op == "fused_matmul"]
+        assert all(n.attr["norm_eps"] is None for n in fused), name
+        assert worst_relative(before, after, pair.weights) == 0.0, name
 
 
 def _layer(norm_readers: int = 1, residual: bool = False, dtype=DType.Q8_0, swapped: bool = False, width: int = 64):

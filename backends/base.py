@@ -55,6 +55,16 @@ class Backend(ABC):
         """Whether the device kernels run on is a CPU (PoCL, lavapipe) rather than a GPU."""
         return False
 
+    def default_numerics(self) -> str:
+        """The numerics mode a compile takes when none is named: $DFLASH_IR_NUMERICS if set,
+        else the device's (`device_numerics`)."""
+        return os.environ.get("DFLASH_IR_NUMERICS") or self.device_numerics()
+
+    def device_numerics(self) -> str:
+        """The faster mode on this device of those that keep greedy tokens equal on the oracle:
+        `exact`, except where q8 has been measured faster (README, "Numerics")."""
+        return "exact"
+
     def profile(self) -> str:
         """The device class kernels are scheduled for (lowering.PROFILES): $DFLASH_IR_PROFILE
         if set, else the device's; "gpu" with no device here (an artifact compiled without a

@@ -199,6 +199,11 @@ class OpenCLBackend(CompiledBackend):
         flags = host_cpu_flags()
         return frozenset({"avx512_vnni"}) if {"avx512f", "avx512_vnni"} <= flags else frozenset()
 
+    def device_numerics(self) -> str:
+        """q8 on a CPU whose tiles sum Q8_0 activations with VNNI (`isa`): its products do a
+        fraction of exact's work, which pays from SmolLM2-135M up (README, "Numerics")."""
+        return "q8" if self.profile() == "cpu" and "avx512_vnni" in self.isa() else "exact"
+
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         """One file per kernel plus the header; the graph's kernels are built when an OpenCL
         device is present, so a kernel the device rejects fails at compile time."""

@@ -187,10 +187,11 @@ def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15
 
 def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int = DEFAULT_CTX, n_max: int | None = None,
                  progress: Callable[[str], None] = lambda msg: None, opt_level: int | None = None,
-                 numerics: str = "exact", taps: tuple[int, ...] = (),
+                 numerics: str | None = None, taps: tuple[int, ...] = (),
                  dump_dir=None, tune_s: float | None = None) -> Path:
     """Validate the pair, build its graphs, compile them with `backend` and write the artifact.
     `opt_level` None takes the backend's default; `n_ctx` 0 the target's trained context;
+    `numerics` None the backend's default (Backend.default_numerics);
     `n_max` None DEFAULT_N_MAX (block size - 1 when smaller), 0 drafts nothing by default; `taps`
     (HF 0-based layers) makes a target alone output their features. The tokenizer and chat template are built, and the
     memory the context needs is checked, before anything is written."""
@@ -203,6 +204,7 @@ def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int 
             raise ValueError(f"--tune: backend {backend} does not tune; tvm-llvm does (backends/tvm/tune.py)")
         be.tune_s, be.progress = tune_s, progress
     opt_level = be.default_opt_level if opt_level is None else opt_level
+    numerics = numerics or be.default_numerics()
     pair = open_pair(target, draft, taps=taps, progress=progress, opt_level=opt_level, dump_dir=dump_dir,
                      numerics=numerics)
     n_ctx, n_max = resolve_lengths(pair.configs, n_ctx, n_max, DEFAULT_N_MAX)
@@ -214,7 +216,7 @@ def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int 
     (out / "graphs").mkdir(exist_ok=True)
     programs = {}
     for i, (name, graph) in enumerate(pair.graphs.items(), 1):
-        progress(f"[{i}/{len(pair.graphs)}] compiling {name} ({len(graph.nodes)} nodes) for {backend}")
+        progress(f"[{i}/{len(pair.graphs)}] compiling {name} ({len(graph.nodes)} nodes) for {backend}, {numerics} numerics")
         rel = f"graphs/{name}.yaml"
         (out / rel).write_text(dump_yaml(graph))
         programs[name] = {"graph": rel, "backend": be.compile(graph, out)}

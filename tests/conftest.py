@@ -126,6 +126,17 @@ def scripted_lengths():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _exact_numerics():
+    """Compiles that name no numerics mode take `exact` whatever this CPU is: the device's
+    default (q8 on PoCL with AVX-512 VNNI) would make the suite's tight comparisons depend on
+    the machine. q8 has tests of its own; tests/test_numerics_default.py lifts this."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DFLASH_IR_NUMERICS", "exact")
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _cost_cache(tmp_path_factory):
     """Round costs measured at load (dflash_ir/runtime/costs.py) are cached for the session
     only, and measured without first running every program at every row count

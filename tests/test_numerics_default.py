@@ -1,20 +1,40 @@
-"""The default numerics mode is `exact` on every backend (README: q8's quantisation launches
-kernels of its own, which a small model's decode pays for): what dflash-compile writes when
---numerics is not given."""
+"""The default numerics mode is the device's (Backend.device_numerics): q8 on PoCL with AVX-512
+VNNI, where it decodes faster (README, "Numerics"), exact elsewhere; $DFLASH_IR_NUMERICS
+overrides it, and the artifact records the mode taken."""
+import pytest
 import yaml
 
+from dflash_ir.backends.base import get_backend
 from dflash_ir.cli import compile as compile_cli
 from dflash_ir.integrity import MANIFEST
 
 
-def test_dflash_compile_defaults_to_exact_numerics(tiny_pair, tmp_path):
+def _compile(tiny_pair, out, *args) -> str:
     target, draft = tiny_pair("qwen35", "q8_0")
-    out = tmp_path / "out"
-    assert compile_cli.main([str(target), str(draft), "-o", str(out), "-c", "64", "--backend", "numpy"]) == 0
-    assert yaml.safe_load((out / MANIFEST).read_text())["config"]["numerics"] == "exact"
-    assert not any("quantize_q8_0" in g.read_text() for g in (out / "graphs").glob("*.yaml"))
-    q8 = tmp_path / "q8"
-    assert compile_cli.main([str(target), str(draft), "-o", str(q8), "-c", "64", "--backend", "numpy",
-                             "--numerics", "q8"]) == 0
-    assert yaml.safe_load((q8 / MANIFEST).read_text())["config"]["numerics"] == "q8"
-    assert any("quantize_q8_0" in g.read_text() for g in (q8 / "graphs").glob("*.yaml"))
+    assert compile_cli.main([str(target), str(draft), "-o", str(out), "-c", "64", *args]) == 0
+    numerics = yaml.safe_load((out / MANIFEST).read_text())["config"]["numerics"]
+    quantized = any("quantize_q8_0" in g.read_text() for g in (out / "graphs").glob("*.yaml"))
+    assert quantized == (numerics == "q8")
+    return numerics
+
+
+def test_the_interpreter_defaults_to_exact_and_takes_q8_when_named(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.delenv("DFLASH_IR_NUMERICS")
+    assert _compile(tiny_pair, tmp_path / "default", "--backend", "numpy") == "exact"
+    assert _compile(tiny_pair, tmp_path / "q8", "--backend", "numpy", "--numerics", "q8") == "q8"
+    monkeypatch.setenv("DFLASH_IR_NUMERICS", "q8")
+    assert _compile(tiny_pair, tmp_path / "env", "--backend", "numpy") == "q8"
+    assert _compile(tiny_pair, tmp_path / "named", "--backend", "numpy", "--numerics", "exact") == "exact"
+
+
+@pytest.mark.parametrize("vnni", ["1", "0"])
+def test_opencl_defaults_to_q8_exactly_where_its_cpu_tiles_have_vnni(tiny_pair, tmp_path, monkeypatch, vnni):
+    opencl = get_backend("opencl")
+    if opencl.unavailable_reason():
+        pytest.skip(opencl.unavailable_reason())
+    monkeypatch.delenv("DFLASH_IR_NUMERICS")
+    monkeypatch.setenv("DFLASH_IR_VNNI", vnni)
+    want = "q8" if opencl.profile() == "cpu" and "avx512_vnni" in opencl.isa() else "exact"
+    assert want == "exact" or vnni == "1"
+    assert opencl.default_numerics() == want
+    assert _compile(tiny_pair, tmp_path / "out", "--backend", "opencl") == want

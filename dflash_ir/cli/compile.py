@@ -28,10 +28,11 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-O", dest="opt_level", type=int, choices=(0, 1, 2), default=None,
                    help="optimisation level: 0 graphs as built, 1 canonicalise, 2 all passes "
                         "(default: the backend's, 0 for numpy, 2 for kernel backends)")
-    p.add_argument("--numerics", choices=("exact", "q8"), default="exact",
-                   help="exact: f32 activations (matches Transformers within 3e-4); q8: Q8_0 weights multiply "
-                        "activations quantised to Q8_0, exact integer block sums, as llama.cpp's CPU path "
-                        "(default exact)")
+    p.add_argument("--numerics", choices=("exact", "q8"), default=None,
+                   help="exact: f32 activations (matches Transformers within 3e-4); q8: activations quantised "
+                        "to Q8_0 for the block-quantised weights' products, exact integer block sums, as "
+                        "llama.cpp's CPU path (default: $DFLASH_IR_NUMERICS, else the device's: q8 on a CPU "
+                        "OpenCL device with AVX-512 VNNI, exact elsewhere)")
     p.add_argument("--dump-ir", metavar="DIR", help="write every graph's IR (text + picture) after each pass under DIR")
 
 

@@ -38,12 +38,14 @@ def cache_folder(cache_dir: Path, target: Path, draft: Path | None, *, backend: 
 
 
 def cached_artifact(target: Path, draft: Path | None, *, cache_dir: Path, backend: str, n_ctx: int,
-                    n_max: int | None, opt_level: int | None, numerics: str, dump_dir=None,
+                    n_max: int | None, opt_level: int | None, numerics: str | None, dump_dir=None,
                     progress: Callable[[str], None], check: Callable[[Path], None]) -> Path:
     """The folder of the pair's cached artifact, compiled first when there is none or when
-    `check` (raises ArtifactError) refuses the one there."""
+    `check` (raises ArtifactError) refuses the one there. `numerics` None: the backend's default."""
     from dflash_ir.artifact import compile_pair
+    from dflash_ir.backends.base import get_backend
 
+    numerics = numerics or get_backend(backend).default_numerics()
     folder = cache_folder(cache_dir, target, draft, backend=backend, n_ctx=n_ctx, opt_level=opt_level,
                           numerics=numerics)
     if folder.is_dir():

@@ -57,3 +57,24 @@ def test_the_cache_folder_changes_with_what_the_artifact_depends_on(tmp_path):
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     changed.append(cache_folder(tmp_path, target, draft, **base))
     assert len({first, *changed}) == 7
+
+
+def test_a_cached_artifact_without_numerics_takes_the_backends_default(tmp_path, monkeypatch):
+    """The default is resolved before the cache key: a q8 default and an explicit q8 share a
+    folder, and the compile is told the mode it is keyed by."""
+    import dflash_ir.artifact as artifact
+    from dflash_ir.serve.artifact_cache import cached_artifact
+
+    compiled = []
+
+    def fake_compile(target, draft, *, out, numerics, **kw):
+        compiled.append(numerics)
+        out.mkdir()
+    monkeypatch.setattr(artifact, "compile_pair", fake_compile)
+    monkeypatch.setenv("DFLASH_IR_NUMERICS", "q8")
+    where = dict(cache_dir=tmp_path, backend="numpy", n_ctx=512, n_max=None, opt_level=None,
+                 progress=lambda msg: None, check=lambda folder: None)
+    folder = cached_artifact(TARGET, DRAFT, numerics=None, **where)
+    assert compiled == ["q8"]
+    assert folder == cache_folder(tmp_path, TARGET, DRAFT, backend="numpy", n_ctx=512, opt_level=None, numerics="q8")
+    assert cached_artifact(TARGET, DRAFT, numerics="q8", **where) == folder and compiled == ["q8"]

@@ -14,6 +14,9 @@ results.md and PNG plots to --out.
                                                   a real-size model (generated once, ~10 GB):
                                                   compile, cold/warm load, peak RSS, speed, and
                                                   llama.cpp's on the same file
+    dflash-bench --suites e2e -b opencl --numerics exact,q8
+                                                  each pair compiled in both numerics modes,
+                                                  the q8 runs labelled opencl/q8
     dflash-bench --quick                          small shapes and models: a smoke run
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 
 from dflash_ir import __version__
 from dflash_ir.backends.base import get_backend, known_backends
+from dflash_ir.passes.quantize_activations import NUMERICS
 
 from . import e2e as e2e_suite
 from . import kernels as kernel_suite
@@ -101,6 +105,12 @@ class Bench:
                 ready.append(backend)
         return ready
 
+    def runs(self, backends) -> list[tuple[str, str, str]]:
+        """(backend, numerics, label) for each compiled configuration the engine suites measure:
+        the --numerics modes, else the backend's default one."""
+        return [(b.name, numerics, e2e_suite.run_label(b.name, numerics))
+                for b in backends for numerics in self.args.numerics or (b.default_numerics(),)]
+
     def limits(self, backends) -> None:
         elements, gemm = (1 << 20, 256) if self.args.quick else (1 << 24, 1024)
         self.say("\n== limits ==")
@@ -156,14 +166,15 @@ class Bench:
         self.say("\n== end to end ==")
         for m in models:
             self.say(f"  model {m.name}: {m.description}")
-            for b in backends:
-                row = self.attempt(f"e2e/{b.name}/{m.name}", lambda b=b: e2e_suite.run_end_to_end(
-                    b.name, m, self.work / "e2e", max_tokens=self.args.max_tokens))
+            for backend, numerics, label in self.runs(backends):
+                row = self.attempt(f"e2e/{label}/{m.name}", lambda backend=backend, numerics=numerics:
+                                   e2e_suite.run_end_to_end(backend, m, self.work / "e2e",
+                                                            max_tokens=self.args.max_tokens, numerics=numerics))
                 if row:
                     self.results.e2e.append(row.to_dict())
                     fewer = (f"  [{row.generated_tokens} tokens: more would take over a minute]"
                              if row.generated_tokens < self.args.max_tokens else "")
-                    self.say(f"  {m.name:10s} {b.name:10s} prefill {row.prefill_tps:8.1f} tok/s  decode "
+                    self.say(f"  {m.name:10s} {label:10s} prefill {row.prefill_tps:8.1f} tok/s  decode "
                              f"{row.decode_tps:7.1f} tok/s  speculative {row.speculative_tps:7.1f} tok/s  "
                              f"tau {row.tau:5.2f}  ({row.speedup:.2f}x; cost-aware {row.adaptive_speedup:.2f}x)  "
                              f"verify-16 = {row.verify16_steps:.2f} decode steps{fewer}")
@@ -171,40 +182,41 @@ class Bench:
     def tau_sweep(self, backends, models) -> None:
         self.say("\n== speed-up vs tau (scripted draft) ==")
         for m in models:
-            for b in backends:
-                def sweep(b=b):
+            for backend, numerics, label in self.runs(backends):
+                def sweep(backend=backend, numerics=numerics, label=label):
                     try:
-                        return tau_suite.run_tau_sweep(b.name, m, self.work / "e2e", taus=self.args.taus,
+                        return tau_suite.run_tau_sweep(backend, m, self.work / "e2e", taus=self.args.taus,
                                                        max_tokens=self.args.max_tokens,
-                                                       repeats=1 if self.args.quick else 3)
+                                                       repeats=1 if self.args.quick else 3, numerics=numerics)
                     except tau_suite.TooSlow as e:
-                        self.say(f"  {m.name} / {b.name}: skipped ({e})")
+                        self.say(f"  {m.name} / {label}: skipped ({e})")
                         return None
 
-                got = self.attempt(f"tau/{b.name}/{m.name}", sweep)
+                got = self.attempt(f"tau/{label}/{m.name}", sweep)
                 if not got:
                     continue
                 costs, points = got
-                self.results.costs.append({"backend": b.name, "model": m.name, "decode_ms": costs.decode * 1e3,
+                self.results.costs.append({"backend": label, "model": m.name, "decode_ms": costs.decode * 1e3,
                                            "draft_ms": costs.draft * 1e3,
                                            "verify_ms": [v * 1e3 for v in costs.verify]})
-                self.say(f"  {m.name} / {b.name}: {costs.summary()}")
+                self.say(f"  {m.name} / {label}: {costs.summary()}")
                 for p in points:
                     self.results.tau.append(p.to_dict())
-                    self.say(f"  {m.name:10s} {b.name:10s} tau {p.tau:2d}: decode {p.decode_tps:7.1f} tok/s  "
+                    self.say(f"  {m.name:10s} {label:10s} tau {p.tau:2d}: decode {p.decode_tps:7.1f} tok/s  "
                              f"15 proposals {p.fixed_tps:7.1f} ({p.fixed_speedup:.2f}x)  cost-aware "
                              f"{p.adaptive_tps:7.1f} ({p.adaptive_speedup:.2f}x)  lengths {p.lengths}")
 
     def serve(self, backends, models) -> None:
         self.say("\n== serve: concurrent requests, verify blocks batched or one pass each ==")
         for m in models:
-            for b in backends:
-                points = self.attempt(f"serve/{b.name}/{m.name}", lambda b=b: serve_suite.run_serve(
-                    b.name, m, self.work / "e2e", max_tokens=self.args.max_tokens, repeats=1 if self.args.quick else 3))
+            for backend, numerics, label in self.runs(backends):
+                points = self.attempt(f"serve/{label}/{m.name}", lambda backend=backend, numerics=numerics:
+                                      serve_suite.run_serve(backend, m, self.work / "e2e", max_tokens=self.args.max_tokens,
+                                                            repeats=1 if self.args.quick else 3, numerics=numerics))
                 for p in points or ():
                     self.results.serve.append(p.to_dict())
                     mode = "batched" if p.batched else "one by one"
-                    self.say(f"  {m.name:10s} {b.name:10s} {p.clients} clients {mode:10s} {p.tps:8.1f} tok/s  "
+                    self.say(f"  {m.name:10s} {label:10s} {p.clients} clients {mode:10s} {p.tps:8.1f} tok/s  "
                              f"({p.verify_passes} verify passes for {p.verified_blocks} blocks)")
 
     def peer(self, models) -> None:
@@ -242,8 +254,8 @@ class Bench:
             self.say(f"  llama.cpp skipped: {peer}")
         for m in models:
             self.say(f"  model {m.name}: {m.description}")
-            runs = [(b.name, lambda b=b: scale_suite.run_scale(b.name, m, self.work / "scale"))
-                    for b in backends]
+            runs = [(label, lambda backend=backend, numerics=numerics: scale_suite.run_scale(
+                        backend, m, self.work / "scale", numerics=numerics)) for backend, numerics, label in self.runs(backends)]
             runs += [] if peer else [("llama.cpp", lambda: scale_suite.run_llama_cpp_scale(m))]
             for engine, run in runs:
                 row = self.attempt(f"scale/{engine}/{m.name}", run)
@@ -287,6 +299,14 @@ def _taus(text: str) -> tuple[int, ...]:
     return tuple(taus)
 
 
+def _numerics(text: str) -> tuple[str, ...]:
+    modes = tuple(dict.fromkeys(text.split(",")))
+    unknown = [m for m in modes if m not in NUMERICS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown numerics mode(s) {', '.join(unknown)}; known: {', '.join(NUMERICS)}")
+    return modes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -296,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--quick", action="store_true", help="small shapes and models, short timing: a smoke run")
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per kernel figure (default 1)")
+    p.add_argument("--numerics", type=_numerics, default=None,
+                   help="comma-separated numerics modes the e2e, tau, serve and scale suites compile each pair in "
+                        "(exact, q8; default: each backend's, as dflash-compile's); runs other than exact are "
+                        "labelled BACKEND/MODE")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per end-to-end run (default 32)")
     p.add_argument("--taus", type=_taus, default=tau_suite.TAUS,
                    help="acceptance lengths of the tau suite, e.g. 1,6,16 or 1-16 (default 1-16; --quick: 1,6,16)")

@@ -46,11 +46,17 @@ class EndToEnd:
         return {**asdict(self), "speedup": self.speedup, "adaptive_speedup": self.adaptive_speedup}
 
 
-def compiled_engine(backend: str, model: BenchModel, work_dir: Path, *, n_ctx: int):
-    """The pair compiled for `backend` (once per work folder) and loaded, its round costs measured."""
-    out = Path(work_dir) / f"{model.name}-{backend}-{n_ctx}"
+def run_label(backend: str, numerics: str = "exact") -> str:
+    """How results name a run: the backend, and the numerics mode where it is not the default."""
+    return backend if numerics == "exact" else f"{backend}/{numerics}"
+
+
+def compiled_engine(backend: str, model: BenchModel, work_dir: Path, *, n_ctx: int, numerics: str = "exact"):
+    """The pair compiled for `backend` in `numerics` (once per work folder) and loaded, its
+    round costs measured."""
+    out = Path(work_dir) / f"{model.name}-{run_label(backend, numerics).replace('/', '-')}-{n_ctx}"
     if not (out / "manifest.yaml").is_file():
-        compile_pair(model.target, model.draft, out=out, backend=backend, n_ctx=n_ctx)
+        compile_pair(model.target, model.draft, out=out, backend=backend, n_ctx=n_ctx, numerics=numerics)
     return load_compiled(out, load_tokenizer=model.prompt is not None)
 
 
@@ -62,11 +68,12 @@ def prompt_ids(engine, model: BenchModel, n: int = 64) -> list[int]:
 
 
 def run_end_to_end(backend: str, model: BenchModel, work_dir: Path, *, prompt_tokens: int = 64,
-                   max_tokens: int = 32, n_ctx: int = 512, seconds: float = 60.0) -> EndToEnd:
+                   max_tokens: int = 32, n_ctx: int = 512, seconds: float = 60.0, numerics: str = "exact") -> EndToEnd:
     """`max_tokens` per timed generation, fewer where the warm-up's speed says that many
     would take longer than `seconds` (a slow backend on the synthetic target: minutes per
     token); the result records how many were generated."""
-    engine = compiled_engine(backend, model, work_dir, n_ctx=n_ctx)
+    engine = compiled_engine(backend, model, work_dir, n_ctx=n_ctx, numerics=numerics)
+    label = run_label(backend, numerics)
     ids = prompt_ids(engine, model, prompt_tokens)
     # warm-up (first launches build kernels on some backends), which also prices a token
     warm = [engine.generate(prompt_ids=ids, max_tokens=4, speculative=s, adaptive=False, ignore_eos=True)
@@ -78,10 +85,10 @@ def run_end_to_end(backend: str, model: BenchModel, work_dir: Path, *, prompt_to
     for adaptive in (False, True):
         runs[adaptive] = engine.generate(prompt_ids=ids, max_tokens=n, adaptive=adaptive, n_max=15, ignore_eos=True)
         if runs[adaptive].tokens != plain.tokens:
-            raise AssertionError(f"{backend}/{model.name}: speculative tokens (adaptive={adaptive}) differ from "
+            raise AssertionError(f"{label}/{model.name}: speculative tokens (adaptive={adaptive}) differ from "
                                  f"target-only tokens:\n  speculative {runs[adaptive].tokens}\n  target-only {plain.tokens}")
     spec = runs[False]
-    return EndToEnd(backend, model.name, len(ids), len(plain.tokens), plain.stats.prefill_tps, after_first_tps(plain),
+    return EndToEnd(label, model.name, len(ids), len(plain.tokens), plain.stats.prefill_tps, after_first_tps(plain),
                     after_first_tps(spec), after_first_tps(runs[True]), spec.stats.tau,
                     dict(sorted(spec.stats.accept_hist.items())), list(ids), plain.tokens,
                     verify_cost_in_decode_steps(engine.target, ids, repeats=3 if n < max_tokens else 5))

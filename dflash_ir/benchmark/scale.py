@@ -63,19 +63,23 @@ def evict(paths: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def run_scale(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: int = 8) -> ScaleResult:
-    """Compile `model` for `backend` (timed, once per work folder), then a cold load and a warm
-    load + run, each in a child process."""
-    out = Path(work_dir) / f"{model.name}-{backend}-{SCALE_CTX}"
+def run_scale(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: int = 8,
+              numerics: str = "exact") -> ScaleResult:
+    """Compile `model` for `backend` in `numerics` (timed, once per work folder), then a cold
+    load and a warm load + run, each in a child process."""
+    from .e2e import run_label
+
+    label = run_label(backend, numerics)
+    out = Path(work_dir) / f"{model.name}-{label.replace('/', '-')}-{SCALE_CTX}"
     files = [model.target, model.draft]
     compiled = None
     if not (out / "manifest.yaml").is_file():
         compiled = _child(dict(op="compile", target=str(model.target), draft=str(model.draft), out=str(out),
-                               backend=backend), f"compiling {model.name} for {backend}")
+                               backend=backend, numerics=numerics), f"compiling {model.name} for {label}")
     evict(files)
     cold = _child(dict(op="load", artifact=str(out)), f"loading {out} cold")
     warm = _child(dict(op="run", artifact=str(out), max_tokens=max_tokens), f"running {out}")
-    return ScaleResult(backend, model.name, sum(p.stat().st_size for p in files), warm["state_bytes"],
+    return ScaleResult(label, model.name, sum(p.stat().st_size for p in files), warm["state_bytes"],
                        compiled["seconds"] if compiled else None, cold["load_s"], warm["load_s"], warm["peak_rss"],
                        warm["prefill_tps"], warm["decode_tps"], warm["generated_tokens"], warm["verify16_steps"])
 
@@ -107,11 +111,11 @@ def _child(request: dict, what: str) -> dict:
 # -- the child's side -----------------------------------------------------------------------
 
 
-def _compile(target: str, draft: str, out: str, backend: str) -> dict:
+def _compile(target: str, draft: str, out: str, backend: str, numerics: str) -> dict:
     from dflash_ir.artifact import compile_pair
 
     t0 = time.perf_counter()
-    compile_pair(target, draft, out=out, backend=backend, n_ctx=SCALE_CTX)
+    compile_pair(target, draft, out=out, backend=backend, n_ctx=SCALE_CTX, numerics=numerics)
     return {"seconds": time.perf_counter() - t0}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflash_ir.serve.scheduler import Finished, Job, Scheduler, Tokens
 
-from .e2e import compiled_engine, prompt_ids
+from .e2e import compiled_engine, prompt_ids, run_label
 from .models import BenchModel
 
 CLIENTS = (1, 2, 4)
@@ -46,8 +46,9 @@ class ServePoint:
 
 
 def run_serve(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: int = 64, repeats: int = 3,
-              n_ctx: int = 512, clients: tuple[int, ...] = CLIENTS) -> list[ServePoint]:
-    engine = compiled_engine(backend, model, work_dir, n_ctx=n_ctx)
+              n_ctx: int = 512, clients: tuple[int, ...] = CLIENTS, numerics: str = "exact") -> list[ServePoint]:
+    engine = compiled_engine(backend, model, work_dir, n_ctx=n_ctx, numerics=numerics)
+    label = run_label(backend, numerics)
     engine.costs = None  # n_max proposals every round
     prompts = _prompts(engine, model, max(clients))
     want = [engine.generate(prompt_ids=p, max_tokens=max_tokens, ignore_eos=True).tokens for p in prompts]
@@ -60,9 +61,9 @@ def run_serve(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: in
             for batched in (False, True):
                 tokens, seconds, scheduler = _run(engine, prompts[:n], max_tokens, batched)
                 if tokens != want[:n]:
-                    raise AssertionError(f"{backend}/{model.name}: {n} clients, batched={batched}: a request's "
+                    raise AssertionError(f"{label}/{model.name}: {n} clients, batched={batched}: a request's "
                                          f"tokens differ from its single-client greedy tokens")
-                point = ServePoint(backend, model.name, n, batched, sum(map(len, tokens)), seconds,
+                point = ServePoint(label, model.name, n, batched, sum(map(len, tokens)), seconds,
                                    scheduler.verify_passes, scheduler.verified_blocks)
                 if batched not in best or point.tps > best[batched].tps:
                     best[batched] = point

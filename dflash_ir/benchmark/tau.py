@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash_ir.runtime.costs import SpecCosts
 
-from .e2e import after_first_tps, compiled_engine, prompt_ids
+from .e2e import after_first_tps, compiled_engine, prompt_ids, run_label
 from .models import BenchModel
 
 TAUS = tuple(range(1, 17))
@@ -80,10 +80,11 @@ class TauPoint:
 
 
 def run_tau_sweep(backend: str, model: BenchModel, work_dir, *, taus: Sequence[int] = TAUS, max_tokens: int = 32,
-                  repeats: int = 3, seconds: float = 300.0, n_ctx: int = 512) -> tuple[SpecCosts, list[TauPoint]]:
+                  repeats: int = 3, seconds: float = 300.0, n_ctx: int = 512,
+                  numerics: str = "exact") -> tuple[SpecCosts, list[TauPoint]]:
     """The engine's measured round costs and one point per tau; `max_tokens` per generation,
     fewer where the costs say the sweep would take longer than `seconds`."""
-    engine = compiled_engine(backend, model, work_dir, n_ctx=n_ctx)
+    engine = compiled_engine(backend, model, work_dir, n_ctx=n_ctx, numerics=numerics)
     costs, block = engine.costs, engine.draft.block_size
     if not all(1 <= tau <= block for tau in taus):
         raise ValueError(f"tau must lie in 1..{block} (the block size), got {list(taus)}")
@@ -110,7 +111,7 @@ def run_tau_sweep(backend: str, model: BenchModel, work_dir, *, taus: Sequence[i
                         "adaptive": _checked(engine, ids, want, n_max=block - 1, adaptive=True)}
                 best = {k: max(best[k], after_first_tps(gen)) for k, gen in runs.items()}
             lengths = runs["adaptive"].stats.lengths
-            points.append(TauPoint(backend, model.name, tau, n, best["plain"], best["fixed"], best["adaptive"],
+            points.append(TauPoint(run_label(backend, numerics), model.name, tau, n, best["plain"], best["fixed"], best["adaptive"],
                                    {k: lengths.count(k) for k in sorted(set(lengths))}))
     finally:
         engine.draft = network

@@ -247,3 +247,25 @@ def test_llama_cpp_requantizes_a_q8_0_file_to_its_q4_k_m_mix(tmp_path):
     with open_gguf(made) as f:
         types = {t.dtype for t in f.tensors.values()}
     assert {DType.Q4_K, DType.Q6_K} <= types
+
+
+def test_numerics_lists_name_known_modes_once():
+    assert cli._numerics("exact,q8,exact") == ("exact", "q8")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown numerics mode.*fp4.*known: exact, q8"):
+        cli._numerics("q8,fp4")
+
+
+def test_end_to_end_in_q8_compiles_a_q8_artifact_and_labels_its_run(tmp_path):
+    """A q8 run is its own artifact (manifest numerics q8) and row (BACKEND/q8), and its
+    speculative tokens still equal its target-only tokens (run_end_to_end raises otherwise)."""
+    import yaml
+
+    from dflash_ir.benchmark.e2e import run_end_to_end
+
+    backend = _cpu_backends()[-1]
+    model = synthetic_model(small=True)
+    row = run_end_to_end(backend, model, tmp_path, max_tokens=6, numerics="q8")
+    assert row.backend == f"{backend}/q8" and row.decode_tps > 0 and row.generated_tokens == 6
+    (artifact,) = tmp_path.iterdir()
+    assert artifact.name == f"{model.name}-{backend}-q8-512"
+    assert yaml.safe_load((artifact / "manifest.yaml").read_text())["config"]["numerics"] == "q8"

@@ -20,7 +20,8 @@ tokens per second, down to 0: a plain target decode step (runtime/controller.py)
 step's features are read to the host (its buffer is reused by the next step) and injected
 into the draft before it next runs. While decoding, the draft now and then proposes a block
 in the shadow: its proposals are scored against the tokens decoded next, so the controller
-learns the draft's acceptance without paying for a verify.
+learns the draft's acceptance without paying for a verify; every verified round, fixed-length
+ones included, teaches it too.
 """
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ class Engine:
                 with stats.timed("rollback"):
                     self.target.commit(accepted + 1)
                 stats.record_round(len(proposals), accepted)
-                if adaptive:
+                if self.controller is not None:  # a fixed-length round teaches the acceptance as well
                     self.controller.observe(len(proposals), accepted)
                 self.last_rounds.append({"anchor_pos": start, "anchor": token, "proposals": proposals, "accepted": accepted})
                 feed.add(out.device_features[:accepted + 1] if out.device_features is not None else None)

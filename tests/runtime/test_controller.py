@@ -280,6 +280,22 @@ def test_a_controller_starts_from_the_acceptance_an_earlier_one_learned(agreeing
     assert second[0] == 0 and set(second) == {0}
 
 
+def test_fixed_length_rounds_teach_the_acceptance_too(agreeing_pair):
+    """A draft that is never right: after one generation of n_max proposals every round, the
+    cost-aware length decodes from its first step, where a fresh controller (the prior) would
+    first speculate to find out."""
+    engine = open_engine(*agreeing_pair("qwen35", 0), n_ctx=128)
+    plain = engine.generate(prompt_ids=PROMPT, max_tokens=30, speculative=False, ignore_eos=True).tokens
+    engine.costs = CHEAP_VERIFY
+    engine.controller.track = False
+    assert engine.controller.acceptance().tolist() == [PRIOR_ACCEPT] * 15
+    fixed = engine.generate(prompt_ids=PROMPT, max_tokens=30, adaptive=False, ignore_eos=True)
+    assert fixed.tokens == plain and set(fixed.stats.lengths) == {15}
+    assert engine.controller.acceptance()[0] < PRIOR_ACCEPT / 2
+    gen = engine.generate(prompt_ids=PROMPT, max_tokens=30, ignore_eos=True)
+    assert gen.tokens == plain and set(gen.stats.lengths) == {0}
+
+
 @pytest.mark.parametrize("learned", [{"trials": [1.0] * 3, "hits": [0.0] * 3},           # another block size
                                      {"trials": [1.0] * 15, "hits": [2.0] * 15},          # hits > trials
                                      {"trials": [float("nan")] * 15, "hits": [0.0] * 15},

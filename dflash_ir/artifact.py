@@ -340,14 +340,14 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
                       dequantised=be.name == "numpy", where=str(path), progress=progress)
     programs = {}
     for i, (name, entry) in enumerate(manifest["programs"].items(), 1):
-        progress(f"[{i}/{len(manifest['programs'])}] loading {name} on {be.name}")
+        progress(f"[{i}/{len(manifest['programs'])}] loading {name} on {be.name}, {cfg['numerics']} numerics")
         programs[name] = _load_program(be, name, graphs[name], entry["backend"], path, weights)
     engine = make_engine(programs, n_ctx=cfg["n_ctx"], n_max=cfg["n_max"] if n_max is None else n_max,
                          draft_cfg=cfg.get("draft"),
                          target_meta=files["target"].metadata if load_tokenizer else None,
                          target_source=str(files["target"].path),
                          info={"artifact": str(path), "backend": manifest["backend"], "sources": manifest["sources"],
-                               "memory_need": need})
+                               "numerics": cfg["numerics"], "memory_need": need})
     if measure_costs and engine.draft is not None:
         from dflash_ir.runtime.costs import acceptance_file, artifact_costs
 

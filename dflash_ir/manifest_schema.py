@@ -49,6 +49,12 @@ def _flags(v: Any) -> str | None:
     return None if ok else f"must be a list of booleans, got {v!r}"
 
 
+def _one_of(*choices: str) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v in choices else f"must be one of {', '.join(choices)}, got {v!r}"
+    return check
+
+
 def _dict(v: Any) -> str | None:
     return None if isinstance(v, dict) else f"must be a mapping, got {type(v).__name__}"
 
@@ -63,6 +69,7 @@ SCHEMA = {
     "config": {
         "n_ctx": _int(1, MAX_POSITIONS),
         "n_max": _int(0, MAX_BLOCK_SIZE - 1),
+        "numerics": _one_of("exact", "q8"),
         "target": {"layer_is_recurrent": _flags},
         "draft": _Optional({"block_size": _int(2, MAX_BLOCK_SIZE), "mask_token_id": _int(0, 2**31 - 1)}),
     },

@@ -137,7 +137,7 @@ def test_cli_prints_progress_unless_quiet(pair, tmp_path, capsys):
     run_args = ["--artifact", str(out), "-p", "hi", "-n", "2", "--ignore-eos"]
     assert run_cli.main(run_args) == 0
     err = capsys.readouterr().err
-    for stage in ("checking", "memory needed: ", "[1/4] loading target.prefill on opencl", "weights 100%: "):
+    for stage in ("checking", "memory needed: ", "[1/4] loading target.prefill on opencl, exact numerics", "weights 100%: "):
         assert f"\ndflash-run: {stage}" in "\n" + err, stage
     weights = [line.split() for line in err.splitlines() if line.startswith("dflash-run: weights ")]
     percents = [int(words[2].rstrip("%:")) for words in weights]

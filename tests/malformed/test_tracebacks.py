@@ -79,6 +79,7 @@ def _put(value, *keys):
     (_put([1], "programs", "target.decode", "backend"), "programs.target.decode.backend must be a mapping, got list"),
     (_put("yes", "config", "target", "layer_is_recurrent"),
      "config.target.layer_is_recurrent must be a list of booleans, got 'yes'"),
+    (_put("fp4", "config", "numerics"), "config.numerics must be one of exact, q8, got 'fp4'"),
 ])
 def test_manifest_fields_missing_or_mistyped_are_named(copy, edit, problem):
     rewrite(copy, edit)

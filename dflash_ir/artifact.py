@@ -170,12 +170,12 @@ def make_engine(programs: dict, *, n_ctx: int, n_max: int, draft_cfg: dict | Non
 
 
 def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15, load_tokenizer: bool = False,
-                taps: tuple[int, ...] = (), opt_level: int = 0):
+                taps: tuple[int, ...] = (), opt_level: int = 0, numerics: str = "exact"):
     """An Engine on the reference interpreter straight from GGUF files, without an artifact
     (the memory the context needs is checked as for compiling)."""
     from dflash_ir.interpreter import Interpreter
 
-    pair = open_pair(target, draft, taps=taps, opt_level=opt_level)
+    pair = open_pair(target, draft, taps=taps, opt_level=opt_level, numerics=numerics)
     check_fits(pair.graphs, pair.files, n_ctx=n_ctx, block_size=_block_size(pair.configs.get("draft")),
                dequantised=True, where=f"{pair.files['target'].path} with a context of {n_ctx}")
     programs = {name: Interpreter(g, pair.weights) for name, g in pair.graphs.items()}

@@ -185,6 +185,13 @@ def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15
                        target_source=str(pair.files["target"].path))
 
 
+def resolve_numerics(backend: str, numerics: str | None) -> str:
+    """`numerics`, or where None the backend's default mode (Backend.default_numerics)."""
+    from dflash_ir.backends.base import get_backend
+
+    return numerics or get_backend(backend).default_numerics()
+
+
 def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int = DEFAULT_CTX, n_max: int | None = None,
                  progress: Callable[[str], None] = lambda msg: None, opt_level: int | None = None,
                  numerics: str | None = None, taps: tuple[int, ...] = (),
@@ -204,7 +211,7 @@ def compile_pair(target, draft=None, *, out, backend: str = "numpy", n_ctx: int 
             raise ValueError(f"--tune: backend {backend} does not tune; tvm-llvm does (backends/tvm/tune.py)")
         be.tune_s, be.progress = tune_s, progress
     opt_level = be.default_opt_level if opt_level is None else opt_level
-    numerics = numerics or be.default_numerics()
+    numerics = resolve_numerics(backend, numerics)
     pair = open_pair(target, draft, taps=taps, progress=progress, opt_level=opt_level, dump_dir=dump_dir,
                      numerics=numerics)
     n_ctx, n_max = resolve_lengths(pair.configs, n_ctx, n_max, DEFAULT_N_MAX)

@@ -42,10 +42,9 @@ def cached_artifact(target: Path, draft: Path | None, *, cache_dir: Path, backen
                     progress: Callable[[str], None], check: Callable[[Path], None]) -> Path:
     """The folder of the pair's cached artifact, compiled first when there is none or when
     `check` (raises ArtifactError) refuses the one there. `numerics` None: the backend's default."""
-    from dflash_ir.artifact import compile_pair
-    from dflash_ir.backends.base import get_backend
+    from dflash_ir.artifact import compile_pair, resolve_numerics
 
-    numerics = numerics or get_backend(backend).default_numerics()
+    numerics = resolve_numerics(backend, numerics)
     folder = cache_folder(cache_dir, target, draft, backend=backend, n_ctx=n_ctx, opt_level=opt_level,
                           numerics=numerics)
     if folder.is_dir():

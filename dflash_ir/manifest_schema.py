@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from .errors import ArtifactError
 from .models.checks import MAX_BLOCK_SIZE, MAX_POSITIONS
+from .passes.quantize_activations import NUMERICS
 
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 
@@ -69,7 +70,7 @@ SCHEMA = {
     "config": {
         "n_ctx": _int(1, MAX_POSITIONS),
         "n_max": _int(0, MAX_BLOCK_SIZE - 1),
-        "numerics": _one_of("exact", "q8"),
+        "numerics": _one_of(*NUMERICS),
         "target": {"layer_is_recurrent": _flags},
         "draft": _Optional({"block_size": _int(2, MAX_BLOCK_SIZE), "mask_token_id": _int(0, 2**31 - 1)}),
     },

@@ -47,14 +47,19 @@ class EndToEnd:
 
 
 def run_label(backend: str, numerics: str = "exact") -> str:
-    """How results name a run: the backend, and the numerics mode where it is not the default."""
+    """How results name a run: the backend, and the numerics mode where it is not exact."""
     return backend if numerics == "exact" else f"{backend}/{numerics}"
+
+
+def artifact_folder(work_dir: Path, model: BenchModel, backend: str, numerics: str, n_ctx: int) -> Path:
+    """Where a run's pair is compiled: one folder per model, run and context size."""
+    return Path(work_dir) / f"{model.name}-{run_label(backend, numerics).replace('/', '-')}-{n_ctx}"
 
 
 def compiled_engine(backend: str, model: BenchModel, work_dir: Path, *, n_ctx: int, numerics: str = "exact"):
     """The pair compiled for `backend` in `numerics` (once per work folder) and loaded, its
     round costs measured."""
-    out = Path(work_dir) / f"{model.name}-{run_label(backend, numerics).replace('/', '-')}-{n_ctx}"
+    out = artifact_folder(work_dir, model, backend, numerics, n_ctx)
     if not (out / "manifest.yaml").is_file():
         compile_pair(model.target, model.draft, out=out, backend=backend, n_ctx=n_ctx, numerics=numerics)
     return load_compiled(out, load_tokenizer=model.prompt is not None)

@@ -67,10 +67,10 @@ def run_scale(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: in
               numerics: str = "exact") -> ScaleResult:
     """Compile `model` for `backend` in `numerics` (timed, once per work folder), then a cold
     load and a warm load + run, each in a child process."""
-    from .e2e import run_label
+    from .e2e import artifact_folder, run_label
 
     label = run_label(backend, numerics)
-    out = Path(work_dir) / f"{model.name}-{label.replace('/', '-')}-{SCALE_CTX}"
+    out = artifact_folder(work_dir, model, backend, numerics, SCALE_CTX)
     files = [model.target, model.draft]
     compiled = None
     if not (out / "manifest.yaml").is_file():

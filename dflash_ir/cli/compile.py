@@ -11,6 +11,7 @@ from dflash_ir.backends.toolchain import CompileError
 from dflash_ir.errors import DflashError
 from dflash_ir.models.checks import MAX_BLOCK_SIZE, MAX_POSITIONS
 from dflash_ir.models.metadata import TARGET_ARCHS
+from dflash_ir.passes.quantize_activations import NUMERICS
 
 from .args import add_quiet, integer, progress_printer
 
@@ -28,7 +29,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-O", dest="opt_level", type=int, choices=(0, 1, 2), default=None,
                    help="optimisation level: 0 graphs as built, 1 canonicalise, 2 all passes "
                         "(default: the backend's, 0 for numpy, 2 for kernel backends)")
-    p.add_argument("--numerics", choices=("exact", "q8"), default=None,
+    p.add_argument("--numerics", choices=NUMERICS, default=None,
                    help="exact: f32 activations (matches Transformers within 3e-4); q8: activations quantised "
                         "to Q8_0 for the block-quantised weights' products, exact integer block sums, as "
                         "llama.cpp's CPU path (default: $DFLASH_IR_NUMERICS, else the device's: q8 on a CPU "

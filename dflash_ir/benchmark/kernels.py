@@ -17,6 +17,7 @@ import numpy as np
 from dflash_ir.builder import GraphBuilder
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph
+from dflash_ir.passes.specialise_matmul import GEMV_ROWS
 from dflash_ir.quant import dequantize, quantize
 
 from .limits import beyond_cache_bytes
@@ -58,8 +59,9 @@ def random_q8_0(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 
 def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int | None = None) -> KernelCase:
     """x[rows, k] @ w[n, k]^T with a Q8_0 weight, built as the model builders build a linear
-    layer (dequantize, then matmul): the interpreter dequantizes once at load, the passes
-    turn it into a Q8_0 GEMV (up to 16 rows) or tiled GEMM for the kernel backends.
+    layer (dequantize, then matmul) of a decode graph (one static row), a verify graph (T
+    rows, up to 16) or a prefill graph: the interpreter dequantizes once at load, the passes
+    turn it into the kernel those graphs get, a Q8_0 GEMV or a tiled GEMM.
     A decode product (one row) is made over `copies` distinct weights, by default enough
     to span twice the last-level cache, as a model's layers do: one 53 MB matrix read again
     and again would come from a 300 MB L3, not from memory. Each copy has its own x (equal
@@ -69,8 +71,9 @@ def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int |
     if copies is None:
         copies = min(MAX_COPIES, max(1, -(-beyond_cache_bytes() // int(weight)))) if rows == 1 else 1
     b = GraphBuilder(name)
+    b.meta["kind"] = "decode" if rows == 1 else "verify" if rows <= GEMV_ROWS else "prefill"
     for c in range(copies):
-        x = b.input("x" if c == 0 else f"x{c}", F32, ("T", k))
+        x = b.input("x" if c == 0 else f"x{c}", F32, (1 if rows == 1 else "T", k))
         b.output(f"y{c}", b.matmul(x, b.dequantize(b.weight(f"w{c}", Q8, (n, k)))))
     family = "gemv" if rows <= 16 else "gemm"
     block = random_q8_0(rng, (n, k))

@@ -27,6 +27,17 @@ def test_gemv_case_counts_weight_and_activation_traffic():
     assert gemv_case("g", 64, 96, 17).family == "gemm"
 
 
+@pytest.mark.parametrize("rows, form", [(1, "gemv"), (3, "gemv"), (16, "gemv"), (17, "gemm")])
+def test_gemv_case_gets_the_kernel_its_graph_kind_gets_in_a_model(rows, form):
+    """A decode product has one static row and a verify's T rows: both take the GEMV, as in
+    the model graphs; a prefill's T rows the GEMM (a symbolic T alone would get the GEMM)."""
+    from dflash_ir.passes.pipeline import run_pipeline
+
+    graph = run_pipeline(gemv_case("g", 64, 96, rows, copies=1).graph)
+    [node] = [n for n in graph.nodes if n.op == "matmul_q8_0"]
+    assert node.attr["form"] == form
+
+
 def test_decode_gemv_reads_enough_weight_copies_to_miss_the_cache(monkeypatch):
     """One row: as many distinct weights as span twice the last-level cache, each its own
     output, all counted; a 300 MB L3 would otherwise serve a 53 MB matrix."""

@@ -101,16 +101,18 @@ def _cols16_at(buf: Buffer, row: K, col: K, k: int, layout: str) -> K:
 
 @dataclass(frozen=True)
 class Gemv:
-    """GEMV geometry: `lanes` threads share one output column's K chunks (a Q8_0 block, else
-    one element, which keeps reads coalesced); a work-group holds `cols` columns side by
-    side, so a 250k-row vocabulary matrix is not 250k tiny work-groups."""
+    """GEMV geometry: `lanes` threads share one output column's K chunks; a work-group holds
+    `cols` columns side by side, so a 250k-row vocabulary matrix is not 250k tiny work-groups.
+    A Q8_0 chunk is a word of 4 quants, so 8 lanes read a block's 32 side by side and a
+    warp's loads of weights and x are contiguous; another block type's chunk is a whole
+    block (decoded once), a float type's one element."""
 
     dtype: DType
     k: Dim
 
     @property
     def chunk(self) -> int:
-        return 32 if self.dtype is DType.Q8_0 or self.dtype in DECODERS else 1
+        return 4 if self.dtype is DType.Q8_0 else 32 if self.dtype in DECODERS else 1
 
     @property
     def lanes(self) -> int:
@@ -196,8 +198,8 @@ def _gemv_rows(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r
     n: one, or a gate row and an up row whose products are stored as silu(gate) * up.
     `xrow(row)` is the element offset of x's row. With `norm` (weight, eps) x is RMS-
     normalised first: the weight scales x's elements, 1/RMS (computed once per group of
-    rows) the sums. With x_q8 (x in Q8_0 blocks) a Q8_0 block's dot is an exact integer sum
-    of dot4s, scaled by both blocks' scales; another block type's takes x's values d_x * q."""
+    rows) the sums. With x_q8 (x in Q8_0 blocks) a Q8_0 word's dot is an exact integer dot4,
+    scaled by both blocks' scales; another block type's takes x's values d_x * q."""
     L, S = g.lanes, len(wrows)
     lane, col = kb.lid(0), kb.lid(1)
     if norm:
@@ -210,20 +212,16 @@ def _gemv_rows(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r
     with kb.loop("c", lane, chunks, L, cond=n < n_total) as c:
         scales, values = [], []
         for j, wrow in enumerate(wrows):
-            if q8:
-                blk = kb.let(f"blk{j}", cast(I64, wrow) * q8_row_bytes(g.k) + c * Q8_BLOCK)
+            if q8:  # word c % 8 of block c / 8
+                blk = kb.let(f"blk{j}", cast(I64, wrow) * q8_row_bytes(g.k) + c / 8 * Q8_BLOCK)
                 scales.append(kb.let(f"d{j}", w.load(blk / 2, "f16")))
+                word = kb.let(f"wq{j}", _q8_words(w, blk, c % 8))
                 if x_q8:
-                    wq = kb.array(f"wq{j}", I32, 8)
-                    with kb.loop("e", 0, 8) as e:
-                        wq[e] = _q8_words(w, blk, e)
-                    values.append(wq)
+                    values.append(word)
                 else:
-                    wv = kb.array(f"wv{j}", F32, 32)
-                    with kb.loop("e", 0, 16) as e:
-                        two = kb.let("two", w.load(blk / 2 + 1 + e, "u16"))
-                        wv[2 * e] = cast(F32, sext8(two))
-                        wv[2 * e + 1] = cast(F32, sext8(two >> 8))
+                    wv = kb.array(f"wv{j}", F32, 4)
+                    for e in range(4):
+                        wv[e] = cast(F32, sext8(word >> 8 * e))
                     values.append(wv)
             else:
                 wv = kb.array(f"wv{j}", F32, g.chunk)
@@ -235,14 +233,12 @@ def _gemv_rows(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r
         with kb.loop("r", 0, rows, cond=lambda r: r0 + r < count) as r:
             row = kb.let("row", r0 + r)
             if x_q8:
-                xb = kb.let("xb", (xrow(row) / 32 + c) * Q8_BLOCK)
+                xb = kb.let("xb", (xrow(row) + c * g.chunk) / 32 * Q8_BLOCK)
                 dx = kb.let("dx", x.load(xb / 2, "f16"))
             if x_q8 and q8:
+                xq = kb.let("xq", _q8_words(x, xb, c % 8))
                 for j, wq in enumerate(values):
-                    isum = kb.let(f"isum{j}", 0)
-                    with kb.loop("e", 0, 8) as e:
-                        kb.set(isum, dot4_i8(_q8_words(x, xb, e), wq[e], isum))
-                    acc[r * S + j] = acc[r * S + j] + cast(F32, isum) * dx * scales[j]
+                    acc[r * S + j] = acc[r * S + j] + cast(F32, dot4_i8(xq, wq, 0)) * dx * scales[j]
             else:
                 xr = kb.let("xr", xrow(row) + c * g.chunk)
                 xv = kb.array("xv", F32, g.chunk)

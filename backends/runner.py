@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Collection, Iterator, Mapping, Protocol
@@ -346,7 +347,15 @@ class DeviceProgram:
     def launcher(self, inputs: Mapping[str, np.ndarray],
                  states: Mapping[str, np.ndarray] | None = None) -> Callable[[], None]:
         """A function that runs the kernels alone (inputs uploaded once, now) and waits for
-        the device: what a benchmark compares with the bytes the kernels move."""
+        the device: what a benchmark compares with the bytes the kernels move. Only for a
+        graph whose inputs keep their buffers to themselves: where the memory plan reuses an
+        input's slot, a second launch would read what the first wrote there."""
+        slot_of = self.plan.buffers
+        for x in self.graph.inputs:
+            shared = sorted(n for n, s in slot_of.items() if n != x.name and s == slot_of.get(x.name))
+            if shared:
+                raise ValueError(f"{self.graph.name}: input {x.name!r} shares its buffer with {', '.join(shared)} "
+                                 f"(the memory plan reuses it): a launcher cannot replay this graph; time run()")
         bindings, env, sized = self._prepare(inputs, states)
         first = sized.buffers[self._root(self.graph.outputs[0][1])]
 
@@ -354,6 +363,33 @@ class DeviceProgram:
             self._launch_all(sized, env, bindings)
             self.device.download(first, np.empty(1, np.uint8))  # in-order queue: waits for all
         return launch
+
+
+    def launch_times(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None,
+                     repeats: int = 10) -> list[tuple[str, tuple[int, ...], float]]:
+        """(kernel, work-groups, seconds) of each launch of a call with these inputs, each run
+        alone `repeats` times back to back (one replay, where the device has `prepare`) and
+        waited for: where a call's time goes. In-place updates (KV caches, recurrent states)
+        are applied `repeats` times over, so what the call leaves is not for keeping."""
+        bindings, env, sized = self._prepare(inputs, states)
+        self._check_plan(bindings)
+        launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)
+        first = sized.buffers[self._root(self.graph.outputs[0][1])]
+        prepare = getattr(self.device, "prepare", None)
+
+        def seconds(replay) -> float:
+            t0 = time.perf_counter()
+            replay()
+            self.device.download(first, np.empty(1, np.uint8))  # in-order queue: waits for all
+            return time.perf_counter() - t0
+
+        times = []
+        for launch in launches:
+            batch = [launch] * repeats
+            replay = prepare(batch) if callable(prepare) else functools.partial(_launch_each, self.device, batch)
+            seconds(replay)  # the first replay captures or builds
+            times.append((launch[0], launch[1], seconds(replay) / repeats))
+        return times
 
 
 class _Sized:

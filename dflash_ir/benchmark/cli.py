@@ -14,6 +14,9 @@ results.md and PNG plots to --out.
                                                   a real-size model (generated once, ~10 GB):
                                                   compile, cold/warm load, peak RSS, speed, and
                                                   llama.cpp's on the same file
+    dflash-bench --suites profile -b cuda --models synthetic
+                                                  where a decode step, a verify and a draft
+                                                  block spend their time, kernel by kernel
     dflash-bench --suites e2e -b opencl --numerics exact,q8
                                                   each pair compiled in both numerics modes,
                                                   the q8 runs labelled opencl/q8
@@ -41,13 +44,14 @@ from . import kernels as kernel_suite
 from . import limits as limit_suite
 from . import models as model_suite
 from . import peer as peer_suite
+from . import profile as profile_suite
 from . import scale as scale_suite
 from . import serve as serve_suite
 from . import tau as tau_suite
 from .measure import time_calls
 from .report import Results, scale_line, write_all
 
-SUITES = ("limits", "kernels", "e2e", "tau", "serve", "peer", "scale")
+SUITES = ("limits", "kernels", "e2e", "tau", "profile", "serve", "peer", "scale")
 MODELS = ("demo", "synthetic")  # the default; model_suite.REAL_MODELS when named
 
 
@@ -206,6 +210,18 @@ class Bench:
                              f"15 proposals {p.fixed_tps:7.1f} ({p.fixed_speedup:.2f}x)  cost-aware "
                              f"{p.adaptive_tps:7.1f} ({p.adaptive_speedup:.2f}x)  lengths {p.lengths}")
 
+    def profile(self, backends, models) -> None:
+        self.say("\n== where the time goes (each launch timed alone) ==")
+        for m in models:
+            for backend, numerics, label in self.runs(backends):
+                calls = self.attempt(f"profile/{label}/{m.name}", lambda backend=backend, numerics=numerics:
+                                     profile_suite.run_profile(backend, m, self.work / "e2e", numerics=numerics,
+                                                               repeats=3 if self.args.quick else 10))
+                for call in calls or ():
+                    self.results.profile.append(call.to_dict())
+                    for line in profile_suite.summary(call):
+                        self.say(line)
+
     def serve(self, backends, models) -> None:
         self.say("\n== serve: concurrent requests, verify blocks batched or one pass each ==")
         for m in models:
@@ -273,12 +289,14 @@ class Bench:
             self.limits(backends)
         if "kernels" in suites:
             self.kernels(backends)
-        if {"e2e", "tau", "serve", "peer", "scale"} & set(suites):
+        if {"e2e", "tau", "profile", "serve", "peer", "scale"} & set(suites):
             models = self.models()
             if "e2e" in suites:
                 self.end_to_end(backends, models)
             if "tau" in suites:
                 self.tau_sweep(backends, models)
+            if "profile" in suites:
+                self.profile(backends, models)
             if "serve" in suites:
                 self.serve(backends, models)
             if "peer" in suites:

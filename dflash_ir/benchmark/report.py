@@ -18,6 +18,7 @@ class Results:
     e2e: list[dict[str, Any]] = field(default_factory=list)
     costs: list[dict[str, Any]] = field(default_factory=list)  # measured round costs per backend and model
     tau: list[dict[str, Any]] = field(default_factory=list)    # the scripted-draft sweep
+    profile: list[dict[str, Any]] = field(default_factory=list)  # per-kernel time of a decode, verify, draft block
     serve: list[dict[str, Any]] = field(default_factory=list)  # dflash-serve's scheduler, batched or not
     peer: list[dict[str, Any]] = field(default_factory=list)
     scale: list[dict[str, Any]] = field(default_factory=list)  # compile, load, memory, speed per process
@@ -109,6 +110,14 @@ def markdown(r: Results) -> str:
                        [[t["model"], t["backend"], t["tau"], t["tokens"], f"{t['decode_tps']:.1f}",
                          f"{t['fixed_speedup']:.2f}x", f"{t['adaptive_speedup']:.2f}x", t["lengths"]]
                         for t in r.tau]), ""]
+    if r.profile:
+        out += ["## Where the time goes", "", "Each launch of one call run alone and timed to the device's finish, "
+                "summed per kernel family; call = the whole call as generation runs it (the difference is "
+                "launching, copies and the gaps between kernels).", "",
+                _table(["model", "backend", "call", "call ms", "kernels ms", "launches", "costliest families (ms)"],
+                       [[p["model"], p["backend"], p["call"], f"{p['ms']:.3f}", f"{p['kernel_ms']:.3f}", p["launches"],
+                         ", ".join(f"{f['family']} x{f['launches']} {f['ms']:.3f}" for f in p["families"][:5])]
+                        for p in r.profile]), ""]
     if r.serve:
         out += ["## dflash-serve: concurrent requests", "", "Aggregate tokens/s of 1, 2 and 4 requests at once "
                 "through the server's scheduler (one slot each, n_max proposals every round), the busy slots' "

@@ -366,30 +366,41 @@ class DeviceProgram:
 
 
     def launch_times(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None,
-                     repeats: int = 10) -> list[tuple[str, tuple[int, ...], float]]:
-        """(kernel, work-groups, seconds) of each launch of a call with these inputs, each run
-        alone `repeats` times back to back (one replay, where the device has `prepare`) and
-        waited for: where a call's time goes. In-place updates (KV caches, recurrent states)
-        are applied `repeats` times over, so what the call leaves is not for keeping."""
+                     repeats: int = 3) -> list[tuple[str, tuple[int, ...], float]]:
+        """(kernel, work-groups, seconds) of each launch of a call with these inputs: what the
+        call's first k launches cost over its first k-1, each prefix replayed on freshly bound
+        inputs and timed to the device's finish (the fastest of `repeats`). A launch is so
+        priced where the call runs it, with the caches its predecessors leave and its own
+        launch overhead, and the figures add up to the replay of the whole list. In-place
+        updates (KV caches, recurrent states) are applied once per replay: what the calls
+        leave is not for keeping."""
         bindings, env, sized = self._prepare(inputs, states)
         self._check_plan(bindings)
         launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)
         first = sized.buffers[self._root(self.graph.outputs[0][1])]
         prepare = getattr(self.device, "prepare", None)
 
-        def seconds(replay) -> float:
-            t0 = time.perf_counter()
-            replay()
+        def wait() -> None:
             self.device.download(first, np.empty(1, np.uint8))  # in-order queue: waits for all
-            return time.perf_counter() - t0
 
-        times = []
-        for launch in launches:
-            batch = [launch] * repeats
-            replay = prepare(batch) if callable(prepare) else functools.partial(_launch_each, self.device, batch)
-            seconds(replay)  # the first replay captures or builds
-            times.append((launch[0], launch[1], seconds(replay) / repeats))
-        return times
+        def fastest(count: int) -> float:
+            head = launches[:count]
+            replay = (prepare(head) if callable(prepare) else functools.partial(_launch_each, self.device, head)) \
+                if head else (lambda: None)
+            best = float("inf")
+            for attempt in range(repeats + 1):  # the first replay captures or builds
+                self._prepare(inputs, states)  # a replay may have overwritten an input's slot
+                wait()
+                t0 = time.perf_counter()
+                replay()
+                wait()
+                if attempt:
+                    best = min(best, time.perf_counter() - t0)
+            return best
+
+        totals = [fastest(count) for count in range(len(launches) + 1)]
+        return [(kernel, groups, after - before)
+                for (kernel, groups, _, _), before, after in zip(launches, totals, totals[1:])]
 
 
 class _Sized:

@@ -211,12 +211,12 @@ class Bench:
                              f"{p.adaptive_tps:7.1f} ({p.adaptive_speedup:.2f}x)  lengths {p.lengths}")
 
     def profile(self, backends, models) -> None:
-        self.say("\n== where the time goes (each launch timed alone) ==")
+        self.say("\n== where the time goes (each launch priced in place) ==")
         for m in models:
             for backend, numerics, label in self.runs(backends):
                 calls = self.attempt(f"profile/{label}/{m.name}", lambda backend=backend, numerics=numerics:
                                      profile_suite.run_profile(backend, m, self.work / "e2e", numerics=numerics,
-                                                               repeats=3 if self.args.quick else 10))
+                                                               repeats=1 if self.args.quick else 3))
                 for call in calls or ():
                     self.results.profile.append(call.to_dict())
                     for line in profile_suite.summary(call):

@@ -2,11 +2,12 @@
 a verify of a whole block and the draft's block pass, of a bench pair compiled as the e2e
 suite compiles it.
 
-Each launch of one real call is run alone, `repeats` times back to back, and timed to the
-device's finish (Program.launch_times); the launches are summed per kernel family (the
-kernel's name without its hash). Beside that sum stands the call's own time, run as
-generation runs it (inputs uploaded, the launch list replayed, outputs left on the device):
-what the sum leaves unexplained is launching, copies and the gaps between kernels.
+Each launch of one real call is priced as what the call's first k launches cost over its
+first k-1 (Program.launch_times: in place, with its launch overhead and the caches its
+predecessors leave), and the prices are summed per kernel family (the kernel's name without
+its hash). They add up to the replay of the whole launch list; beside it stands the call as
+generation runs it (inputs bound and uploaded, the list replayed, outputs left on the
+device): the difference is the host's work per call.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class CallProfile:
     launches: tuple[tuple[str, tuple[int, ...], float], ...]  # (kernel, work-groups, seconds)
 
     @property
-    def kernel_seconds(self) -> float:
+    def launch_seconds(self) -> float:
+        """The replay of the whole launch list."""
         return sum(t for *_, t in self.launches)
 
     def families(self) -> list[tuple[str, int, float]]:
@@ -47,18 +49,20 @@ class CallProfile:
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "model": self.model, "call": self.call, "ms": self.seconds * 1e3,
-                "kernel_ms": self.kernel_seconds * 1e3, "launches": len(self.launches),
+                "launch_ms": self.launch_seconds * 1e3, "launches": len(self.launches),
                 "families": [{"family": f, "launches": n, "ms": s * 1e3} for f, n, s in self.families()]}
 
 
 def _recorded(program, call) -> tuple[dict, dict]:
-    """The inputs and states `call` runs `program` with (its last run)."""
+    """The inputs `call` runs `program` with (its last run), and the states after it: those
+    the program holds in its own buffers, as the next call of a generation passes them."""
     seen = []
     run = program.run
 
     def recording(inputs, states=None, **kw):
-        seen.append((inputs, states))
-        return run(inputs, states, **kw)
+        result = run(inputs, states, **kw)
+        seen.append((inputs, {**(states or {}), **result.states}))
+        return result
 
     program.run = recording
     try:
@@ -83,7 +87,7 @@ def _profile_call(label: str, model: str, name: str, program, call, repeats: int
     return CallProfile(label, model, name, best, tuple(program.launch_times(inputs, states, repeats)))
 
 
-def profile_engine(engine, ids: list[int], label: str, model: str, repeats: int = 10) -> list[CallProfile]:
+def profile_engine(engine, ids: list[int], label: str, model: str, repeats: int = 3) -> list[CallProfile]:
     """Profiles of a decode step, a verify of a whole block and a draft block; leaves the
     engine reset."""
     target, draft = engine.target, engine.draft
@@ -102,16 +106,16 @@ def profile_engine(engine, ids: list[int], label: str, model: str, repeats: int 
 
 
 def run_profile(backend: str, model: BenchModel, work_dir: Path, *, numerics: str = "exact", n_ctx: int = 512,
-                repeats: int = 10) -> list[CallProfile]:
+                repeats: int = 3) -> list[CallProfile]:
     engine = compiled_engine(backend, model, work_dir, n_ctx=n_ctx, numerics=numerics)
     return profile_engine(engine, prompt_ids(engine, model), run_label(backend, numerics), model.name, repeats)
 
 
 def summary(p: CallProfile, top: int = 6) -> list[str]:
     """The CLI's lines for one call: totals, then its costliest kernel families."""
-    lines = [f"  {p.model} / {p.backend} {p.call}: {p.seconds * 1e3:.3f} ms a call; kernels alone "
-             f"{p.kernel_seconds * 1e3:.3f} ms in {len(p.launches)} launches"]
+    lines = [f"  {p.model} / {p.backend} {p.call}: {p.seconds * 1e3:.3f} ms a call, of which its "
+             f"{len(p.launches)} launches {p.launch_seconds * 1e3:.3f} ms"]
     for family, n, seconds in p.families()[:top]:
-        share = seconds / p.kernel_seconds if p.kernel_seconds else 0.0
+        share = seconds / p.launch_seconds if p.launch_seconds else 0.0
         lines.append(f"    {family:32s} x{n:<4d} {seconds * 1e3:8.3f} ms  {share:4.0%}")
     return lines

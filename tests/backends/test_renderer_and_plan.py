@@ -52,7 +52,9 @@ def test_one_tree_three_dialects():
     plan = _plan("matmul_q8_0_q8_x_3_rows")
     kernel = next(k for k in plan.kernels.values() if k.op == "matmul_gemv")
     sources = {name: p.render([kernel]) for name, p in PRINTERS.items()}
-    assert "__kernel __attribute__((reqd_work_group_size(1, 256, 1))) void " + kernel.name in sources["opencl"]
+    lanes, cols, _ = kernel.local  # the GEMV's geometry for this K (kernels/linalg.Gemv)
+    assert lanes * cols == 256
+    assert f"__kernel __attribute__((reqd_work_group_size({lanes}, {cols}, 1))) void {kernel.name}" in sources["opencl"]
     for dialect in ("cuda", "hip"):
         assert f'extern "C" __global__ void __launch_bounds__(256) {kernel.name}(' in sources[dialect]
     body = {name: s[s.index(kernel.name):] for name, s in sources.items()}

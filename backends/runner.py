@@ -328,16 +328,18 @@ class DeviceProgram:
         """Outputs named in `keep` come back as DeviceArrays where the device can hold them."""
         bindings, env, sized = self._prepare(inputs, states)
         self._launch_all(sized, env, bindings)
-        buffers = sized.buffers
 
         def read(name: str, keep: bool = False):
-            v = self.values[name]
-            shape, dtype = storage_shape(v.type.concrete(bindings), v.type.dtype), v.type.dtype.numpy()
+            if name not in sized.reads:  # worked out once per set of sizes, as the launch list is
+                v = self.values[name]
+                sized.reads[name] = (sized.buffers[self._root(name)],
+                                     storage_shape(v.type.concrete(bindings), v.type.dtype), v.type.dtype.numpy())
+            buffer, shape, dtype = sized.reads[name]
             if keep and self._keeps_states:
-                return DeviceArray(self.device, buffers[self._root(name)], shape, dtype)
+                return DeviceArray(self.device, buffer, shape, dtype)
             out = np.empty(shape, dtype=dtype)
             if out.size:
-                self.device.download(buffers[self._root(name)], out)
+                self.device.download(buffer, out)
             return out
 
         outputs = {name: read(value, name in keep) for name, value in self.graph.outputs}
@@ -404,12 +406,14 @@ class DeviceProgram:
 
 
 class _Sized:
-    """What calls with one set of symbol values share: every value's buffer, and a replay of
-    the launch list resolved on the first such call."""
+    """What calls with one set of symbol values share: every value's buffer, a replay of the
+    launch list resolved on the first such call, and how each output and state is read
+    (buffer, shape, dtype)."""
 
     def __init__(self, buffers: dict[str, Any]):
         self.buffers = buffers
         self.replay: Callable[[], None] | None = None
+        self.reads: dict[str, tuple[Any, tuple[int, ...], np.dtype]] = {}
 
 
 def _memory(device: Device) -> Any:

@@ -214,10 +214,15 @@ class Bench:
         self.say("\n== where the time goes (each launch priced in place) ==")
         for m in models:
             for backend, numerics, label in self.runs(backends):
-                calls = self.attempt(f"profile/{label}/{m.name}", lambda backend=backend, numerics=numerics:
-                                     profile_suite.run_profile(backend, m, self.work / "e2e", numerics=numerics,
-                                                               repeats=1 if self.args.quick else 3))
-                for call in calls or ():
+                def measure(backend=backend, numerics=numerics, label=label):
+                    try:
+                        return profile_suite.run_profile(backend, m, self.work / "e2e", numerics=numerics,
+                                                         repeats=1 if self.args.quick else 3)
+                    except profile_suite.NoLaunches as e:
+                        self.say(f"  {m.name} / {label}: skipped ({e})")
+                        return None
+
+                for call in self.attempt(f"profile/{label}/{m.name}", measure) or ():
                     self.results.profile.append(call.to_dict())
                     for line in profile_suite.summary(call):
                         self.say(line)

@@ -25,6 +25,10 @@ from .models import BenchModel
 KERNEL_HASH = re.compile(r"_[0-9a-f]{10}$")
 
 
+class NoLaunches(ValueError):
+    """The backend runs a graph without a launch list (the numpy interpreter): nothing to price."""
+
+
 @dataclass(frozen=True)
 class CallProfile:
     backend: str
@@ -74,8 +78,7 @@ def _recorded(program, call) -> tuple[dict, dict]:
 
 def _profile_call(label: str, model: str, name: str, program, call, repeats: int) -> CallProfile:
     if not hasattr(program, "launch_times"):
-        raise ValueError(f"{label}: no kernel launches to profile (the profile needs a kernel backend: "
-                         f"opencl, vulkan, cuda, rocm)")
+        raise NoLaunches(f"{label} runs graphs without kernel launches: the profile needs a kernel backend")
     inputs, states = _recorded(program, call)
     outputs = tuple(name for name, _ in program.graph.outputs)  # left on the device, as generation leaves them
     best = float("inf")

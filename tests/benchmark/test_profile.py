@@ -71,12 +71,17 @@ def test_a_launcher_refuses_a_graph_whose_input_buffer_is_reused(engine):
         program.launcher(inputs, eng.target.states)
 
 
-def test_profile_suite_writes_its_table(tmp_path):
+def test_profile_suite_writes_its_table_and_skips_the_interpreter(tmp_path, capsys):
     if reason := get_backend("opencl").unavailable_reason():
         pytest.skip(f"opencl: {reason}")
     out = tmp_path / "out"
-    assert cli.main(["--quick", "-b", "opencl", "--suites", "profile", "--models", "synthetic", "-o", str(out)]) == 0
-    rows = json.loads((out / "results.json").read_text())["profile"]
+    assert cli.main(["--quick", "-b", "numpy,opencl", "--suites", "profile", "--models", "synthetic",
+                     "-o", str(out)]) == 0
+    assert "synthetic-small / numpy: skipped (numpy runs graphs without kernel launches" in capsys.readouterr().out
+    r = json.loads((out / "results.json").read_text())
+    assert r["failures"] == []
+    rows = r["profile"]
+    assert {row["backend"] for row in rows} == {"opencl"}
     assert [r["call"] for r in rows] == ["decode step", "verify of 16 rows", "draft block"]
     assert all(sum(f["launches"] for f in r["families"]) == r["launches"] for r in rows)
     assert "## Where the time goes" in (out / "results.md").read_text()

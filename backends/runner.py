@@ -329,17 +329,16 @@ class DeviceProgram:
         bindings, env, sized = self._prepare(inputs, states)
         self._launch_all(sized, env, bindings)
 
+        buffers = sized.buffers
+
         def read(name: str, keep: bool = False):
-            if name not in sized.reads:  # worked out once per set of sizes, as the launch list is
-                v = self.values[name]
-                sized.reads[name] = (sized.buffers[self._root(name)],
-                                     storage_shape(v.type.concrete(bindings), v.type.dtype), v.type.dtype.numpy())
-            buffer, shape, dtype = sized.reads[name]
+            v = self.values[name]
+            shape, dtype = storage_shape(v.type.concrete(bindings), v.type.dtype), v.type.dtype.numpy()
             if keep and self._keeps_states:
-                return DeviceArray(self.device, buffer, shape, dtype)
+                return DeviceArray(self.device, buffers[self._root(name)], shape, dtype)
             out = np.empty(shape, dtype=dtype)
             if out.size:
-                self.device.download(buffer, out)
+                self.device.download(buffers[self._root(name)], out)
             return out
 
         outputs = {name: read(value, name in keep) for name, value in self.graph.outputs}
@@ -359,13 +358,18 @@ class DeviceProgram:
                 raise ValueError(f"{self.graph.name}: input {x.name!r} shares its buffer with {', '.join(shared)} "
                                  f"(the memory plan reuses it): a launcher cannot replay this graph; time run()")
         bindings, env, sized = self._prepare(inputs, states)
-        first = sized.buffers[self._root(self.graph.outputs[0][1])]
+        wait = self._waiter(sized)
 
         def launch() -> None:
             self._launch_all(sized, env, bindings)
-            self.device.download(first, np.empty(1, np.uint8))  # in-order queue: waits for all
+            wait()
         return launch
 
+    def _waiter(self, sized: "_Sized") -> Callable[[], None]:
+        """Waits for the device: a byte of the first output read back (in-order queue: after
+        everything launched before it)."""
+        first = sized.buffers[self._root(self.graph.outputs[0][1])]
+        return lambda: self.device.download(first, np.empty(1, np.uint8))
 
     def launch_times(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None,
                      repeats: int = 3) -> list[tuple[str, tuple[int, ...], float]]:
@@ -379,11 +383,8 @@ class DeviceProgram:
         bindings, env, sized = self._prepare(inputs, states)
         self._check_plan(bindings)
         launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)
-        first = sized.buffers[self._root(self.graph.outputs[0][1])]
         prepare = getattr(self.device, "prepare", None)
-
-        def wait() -> None:
-            self.device.download(first, np.empty(1, np.uint8))  # in-order queue: waits for all
+        wait = self._waiter(sized)
 
         def fastest(count: int) -> float:
             head = launches[:count]
@@ -406,14 +407,12 @@ class DeviceProgram:
 
 
 class _Sized:
-    """What calls with one set of symbol values share: every value's buffer, a replay of the
-    launch list resolved on the first such call, and how each output and state is read
-    (buffer, shape, dtype)."""
+    """What calls with one set of symbol values share: every value's buffer, and a replay of
+    the launch list resolved on the first such call."""
 
     def __init__(self, buffers: dict[str, Any]):
         self.buffers = buffers
         self.replay: Callable[[], None] | None = None
-        self.reads: dict[str, tuple[Any, tuple[int, ...], np.dtype]] = {}
 
 
 def _memory(device: Device) -> Any:

@@ -76,10 +76,15 @@ class Bench:
     def say(self, msg: str) -> None:
         print(msg, flush=True)
 
-    def attempt(self, where: str, fn):
-        """Run one measurement; a failure is recorded and reported, and the run goes on."""
+    def attempt(self, where: str, fn, skips: tuple[type[Exception], ...] = (), shown: str = ""):
+        """Run one measurement; a failure is recorded and reported, and the run goes on. An
+        exception of `skips` says the measurement does not apply there: `shown` is said to be
+        skipped, with the reason, and nothing is recorded."""
         try:
             return fn()
+        except skips as e:
+            self.say(f"  {shown}: skipped ({e})")
+            return None
         except Exception as e:  # one broken backend must not hide the other results
             self.results.failures.append({"where": where, "error": f"{type(e).__name__}: {e}"})
             self.say(f"  FAILED {where}: {type(e).__name__}: {e}")
@@ -187,16 +192,11 @@ class Bench:
         self.say("\n== speed-up vs tau (scripted draft) ==")
         for m in models:
             for backend, numerics, label in self.runs(backends):
-                def sweep(backend=backend, numerics=numerics, label=label):
-                    try:
-                        return tau_suite.run_tau_sweep(backend, m, self.work / "e2e", taus=self.args.taus,
-                                                       max_tokens=self.args.max_tokens,
-                                                       repeats=1 if self.args.quick else 3, numerics=numerics)
-                    except tau_suite.TooSlow as e:
-                        self.say(f"  {m.name} / {label}: skipped ({e})")
-                        return None
-
-                got = self.attempt(f"tau/{label}/{m.name}", sweep)
+                got = self.attempt(f"tau/{label}/{m.name}", lambda backend=backend, numerics=numerics:
+                                   tau_suite.run_tau_sweep(backend, m, self.work / "e2e", taus=self.args.taus,
+                                                           max_tokens=self.args.max_tokens,
+                                                           repeats=1 if self.args.quick else 3, numerics=numerics),
+                                   skips=(tau_suite.TooSlow,), shown=f"{m.name} / {label}")
                 if not got:
                     continue
                 costs, points = got
@@ -214,15 +214,11 @@ class Bench:
         self.say("\n== where the time goes (each launch priced in place) ==")
         for m in models:
             for backend, numerics, label in self.runs(backends):
-                def measure(backend=backend, numerics=numerics, label=label):
-                    try:
-                        return profile_suite.run_profile(backend, m, self.work / "e2e", numerics=numerics,
-                                                         repeats=1 if self.args.quick else 3)
-                    except profile_suite.NoLaunches as e:
-                        self.say(f"  {m.name} / {label}: skipped ({e})")
-                        return None
-
-                for call in self.attempt(f"profile/{label}/{m.name}", measure) or ():
+                calls = self.attempt(f"profile/{label}/{m.name}", lambda backend=backend, numerics=numerics:
+                                     profile_suite.run_profile(backend, m, self.work / "e2e", numerics=numerics,
+                                                               repeats=1 if self.args.quick else 3),
+                                     skips=(profile_suite.NoLaunches,), shown=f"{m.name} / {label}")
+                for call in calls or ():
                     self.results.profile.append(call.to_dict())
                     for line in profile_suite.summary(call):
                         self.say(line)

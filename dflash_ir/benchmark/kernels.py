@@ -75,7 +75,7 @@ def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int |
     for c in range(copies):
         x = b.input("x" if c == 0 else f"x{c}", F32, (1 if rows == 1 else "T", k))
         b.output(f"y{c}", b.matmul(x, b.dequantize(b.weight(f"w{c}", Q8, (n, k)))))
-    family = "gemv" if rows <= 16 else "gemm"
+    family = "gemv" if rows <= GEMV_ROWS else "gemm"
     block = random_q8_0(rng, (n, k))
     weights = {f"w{c}": block if c == 0 else _variant(block, c) for c in range(copies)}
     xs = rng.standard_normal((rows, k)).astype(np.float32)

@@ -113,6 +113,7 @@ class CLDevice:
         self._cl = cl
         self.ctx, self.queue, _ = _context()
         self.memory = self.ctx  # every program's buffers live in the process's one context
+        self.view_align = self.ctx.devices[0].mem_base_addr_align // 8  # a sub-buffer's origin, in bytes
 
     def alloc(self, nbytes: int):
         return self._cl.Buffer(self.ctx, self._cl.mem_flags.READ_WRITE, nbytes)
@@ -122,6 +123,9 @@ class CLDevice:
 
     def download(self, buf, array: np.ndarray) -> None:
         self._cl.enqueue_copy(self.queue, array, buf)
+
+    def view(self, buf, offset: int, nbytes: int):
+        return buf.get_sub_region(offset, nbytes)
 
     def map_for_write(self, buf, nbytes: int):
         """(the buffer's bytes as a host array, unmap): on a CPU device its own memory, so a

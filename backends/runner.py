@@ -20,10 +20,12 @@ shared by every program of one load through `Resident`.
 Every other buffer of a call (inputs, states, activations, temporaries) is in a slot of the
 plan's memory plan (`plan.slots`, `plan.buffers`: passes/plan_memory.py, made when the graph
 was lowered): the slots are allocated per set of symbol values, exactly as planned (but for
-slots sized by the states' symbols alone, such as the states' own: one buffer for every set),
-and kept for the next call with the same sizes, together with the call's launch list (kernels, grid
-sizes, arguments all worked out): a decode or verify call with sizes seen before replays
-that list without evaluating a size expression.
+slots sized by the states' symbols alone, such as the states' own: one buffer for every set,
+and the KV caches' slots: one buffer for all programs of a load), and kept for the next call
+with the same sizes, together with the call's launch list (kernels, grid sizes, arguments all
+worked out): a decode or verify call with sizes seen before replays that list without
+evaluating a size expression. On a device with buffer views the small int32 inputs instead share
+one buffer and go up in one upload (`_InputArena`).
 """
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Protocol
 
 import numpy as np
 
+from dflash_ir.dtypes import DType
 from dflash_ir.errors import ContextOverflowError
 from dflash_ir.ir import Graph, Value
-from dflash_ir.passes.plan_memory import slot_bytes
+from dflash_ir.passes.plan_memory import size_class, slot_bytes
 from dflash_ir.program import BindError, DeviceArray, RunResult, WeightLoader, check_weight
 from dflash_ir.quant import storage_shape
 
@@ -57,6 +60,9 @@ class Device(Protocol):
     # (kernel, groups, local, args) faster than one `launch` call per entry
     # optional: `copy(src, src_offset, dst, dst_offset, nbytes)` between buffers, in queue order;
     # a device that has it keeps states on the device between calls
+    # optional: `view(buf, offset, nbytes)`, a buffer of `nbytes` from byte `offset` of `buf`
+    # that a launch can take, and `view_align`, the bytes such an offset must be a multiple of;
+    # a device that has them takes a call's small int32 inputs in one upload (`_InputArena`)
     # optional: `memory`, equal for devices whose buffers one another's `copy` can read
     # (the programs of one load); default: the device itself
     # optional: `map_for_write(buf, nbytes) -> (host array of the buffer's bytes, unmap)`, for
@@ -64,8 +70,9 @@ class Device(Protocol):
 
 
 class Resident:
-    """Device buffers that outlive a call: weights and weight-only results, keyed by what
-    they hold (not by program), so the programs of one model share them."""
+    """Device buffers that outlive a call, keyed by what they hold (not by program), so the
+    programs of one model share them: weights and weight-only results, and each load's KV
+    caches (`DeviceProgram._shared_states`)."""
 
     def __init__(self):
         self.buffers: dict[tuple, Any] = {}
@@ -83,6 +90,8 @@ class DeviceProgram:
         # symbols the states' shapes bind (the capacity C): the same in every call of a load
         self._load_symbols = {d for s in graph.states for d in s.value.type.shape if isinstance(d, str)}
         self._load_sized: dict[tuple[int, int], Any] = {}  # (slot, bytes) -> buffer, for every set of sizes
+        self._shared_states = self._state_keys(weights)
+        self._resident_store = resident
         self._root = lambda name: plan.aliases.get(name, name)
         self._keys = self._constant_keys(weights)
         self._resident_keys: dict[str, tuple] = {}
@@ -102,6 +111,19 @@ class DeviceProgram:
         self._keeps_states = callable(getattr(device, "copy", None))
 
     # -- load time ----------------------------------------------------------------------
+    def _state_keys(self, weights: WeightLoader) -> dict[int, tuple]:
+        """The Resident key of each KV cache's slot (State.by_position), the same in every
+        program of one load (its weight loader) and model: prefill, decode, verify and
+        commit, or the draft's inject and block, update one buffer in place, with no copy
+        when the runtime passes a state from one program to the next. A program writes only
+        the rows of its positions and reads up to its kv_len, so a verify's rows past the
+        committed length are harmless to the others (the rollback is the length). The
+        recurrent states are not shared: a commit replays from the states the verify
+        started from."""
+        model = self.graph.meta_dict.get("arch", self.graph.name)
+        return {self.plan.buffers[s.value.name]: ("state", _memory(self.device), weights, model, s.value.name)
+                for s in self.graph.states if s.by_position and s.value.name in self.plan.buffers}
+
     def _constant_keys(self, weights: WeightLoader) -> dict[str, tuple]:
         """A content key per weight-derived value: equal keys hold equal bytes in any program
         loaded with the same weight loader."""
@@ -260,7 +282,10 @@ class DeviceProgram:
             self._memory.move_to_end(key)
             return self._memory[key]
         slots = [self._slot_buffer(i, slot, bindings) for i, slot in enumerate(self.plan.slots)]
-        sized = _Sized({**{name: slots[s] for name, s in self.plan.buffers.items()}, **self._resident})
+        arena = _InputArena.make(self.device, {v.name: slot_bytes(size_class(v.type), bindings)
+                                               for v in self.graph.inputs if v.type.dtype is DType.I32})
+        sized = _Sized({**{name: slots[s] for name, s in self.plan.buffers.items()},
+                        **(arena.views if arena else {}), **self._resident}, arena)
         self._memory[key] = sized
         if len(self._memory) > _PLANS_KEPT:
             self._memory.popitem(last=False)
@@ -271,10 +296,17 @@ class DeviceProgram:
         one buffer for every set of sizes: a program holds its states once, not once per
         prefill chunk length and verify length it has run (each a full copy of the KV cache
         and recurrent states). Sharing it across sizes keeps the contract: a program's
-        outputs and states are valid until the program runs again, whatever the sizes."""
+        outputs and states are valid until the program runs again, whatever the sizes. A KV
+        cache's slot is the load's one buffer (_state_keys): valid until any program of the
+        load runs again."""
         nbytes = slot_bytes(slot, bindings)
         if not set(slot[0]) <= self._load_symbols:
             return self.device.alloc(nbytes)
+        if i in self._shared_states:
+            key, store = (*self._shared_states[i], nbytes), self._resident_store
+            if key not in store.buffers:
+                store.buffers[key], store.nbytes[key] = self.device.alloc(nbytes), nbytes
+            return store.buffers[key]
         if (i, nbytes) not in self._load_sized:
             self._load_sized[i, nbytes] = self.device.alloc(nbytes)
         return self._load_sized[i, nbytes]
@@ -305,12 +337,13 @@ class DeviceProgram:
         for c in self.plan.checks:
             self._check(c, arrays[c.value], env)
         sized = self._buffers(bindings)
+        staged = sized.arena.upload(self.device, arrays) if sized.arena else set()
         for name, arr in arrays.items():
             dst = sized.buffers[name]
             if isinstance(arr, DeviceArray):
                 if arr.nbytes and not (arr.buffer is dst and arr.offset == 0):
                     self.device.copy(arr.buffer, arr.offset, dst, 0, arr.nbytes)
-            elif arr.size:
+            elif arr.size and name not in staged:
                 self.device.upload(dst, arr)
         return bindings, env, sized
 
@@ -407,12 +440,55 @@ class DeviceProgram:
 
 
 class _Sized:
-    """What calls with one set of symbol values share: every value's buffer, and a replay of
-    the launch list resolved on the first such call."""
+    """What calls with one set of symbol values share: every value's buffer, the input arena,
+    and a replay of the launch list resolved on the first such call."""
 
-    def __init__(self, buffers: dict[str, Any]):
+    def __init__(self, buffers: dict[str, Any], arena: "_InputArena | None" = None):
         self.buffers = buffers
+        self.arena = arena
         self.replay: Callable[[], None] | None = None
+
+
+class _InputArena:
+    """One device buffer holding a call's small int32 inputs side by side (token ids,
+    positions, pos, kv_len, logit rows: a few bytes each), so that they go up in one upload:
+    a copy command costs a device a fixed overhead whatever its size (PoCL: ~45 us, about
+    what a decode step's small launches cost together). Each input is a view of its part;
+    one a caller passes as a DeviceArray is copied into its view after the upload."""
+
+    LARGEST = 64 << 10  # bytes: larger inputs (a long prefill's ids) take their slots
+
+    def __init__(self, device: Device, offsets: dict[str, int], nbytes: dict[str, int]):
+        self.staging = np.zeros(max(offsets[name] + n for name, n in nbytes.items()) // 4, np.int32)
+        self.buffer = device.alloc(self.staging.nbytes)
+        self.offsets = offsets
+        self.views = {name: device.view(self.buffer, offsets[name], n) for name, n in nbytes.items()}
+
+    @classmethod
+    def make(cls, device: Device, nbytes: dict[str, int]) -> "_InputArena | None":
+        """The arena of int32 inputs of these sizes, or None on a device without views or
+        with fewer than two small inputs."""
+        small = {name: n for name, n in nbytes.items() if n <= cls.LARGEST}
+        if len(small) < 2 or not callable(getattr(device, "view", None)):
+            return None
+        offsets, end, align = {}, 0, max(4, device.view_align)
+        for name, n in small.items():
+            offsets[name] = end
+            end += -(-n // align) * align
+        return cls(device, offsets, small)
+
+    def upload(self, device: Device, arrays: Mapping[str, Any]) -> set[str]:
+        """Uploads the host arrays of the arena's inputs in one copy; returns their names."""
+        staged = {name for name in self.offsets
+                  if name in arrays and not isinstance(arrays[name], DeviceArray) and arrays[name].size}
+        if staged:
+            for name in staged:
+                at = self.offsets[name] // 4
+                self.staging[at:at + arrays[name].size] = arrays[name].reshape(-1)
+            first = min(self.offsets[name] for name in staged)
+            end = max(self.offsets[name] + arrays[name].nbytes for name in staged)
+            device.upload(self.buffer, self.staging[first // 4:end // 4], first)
+        return staged
 
 
 def _memory(device: Device) -> Any:

@@ -61,12 +61,22 @@ class Weight:
     source: str = "model"
 
 
+CAPACITY = "C"  # the size symbol of a state's context capacity (a KV cache's rows)
+
+
 @dataclass(frozen=True)
 class State:
     """A runtime-owned buffer: read as `value`, replaced by the value named `update` (if any)."""
 
     value: Value
     update: str | None = None
+
+    @property
+    def by_position(self) -> bool:
+        """Row i holds position i (a KV cache): a call writes only the rows of the positions it
+        processes and readers stop at the committed length, so the state is rolled back by its
+        length alone, and rows past that length may be overwritten by any call."""
+        return self.value.type.shape[:1] == (CAPACITY,)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,9 @@ class MemoryNeed:
 def memory_need(graphs: Mapping[str, Graph], weight_bytes: Callable[[Weight], int], n_ctx: int,
                 block_size: int) -> MemoryNeed:
     """What the programs `graphs` ('target.*', 'draft.*') need with this context and block.
-    States sized by the capacity C are KV caches, the others recurrent."""
+    States count once per model: the programs of one load share its KV caches
+    (State.by_position, backends/runner.py); the recurrent states, a small part at real
+    context sizes, are held once per program that runs."""
     rows = {"prefill": min(PREFILL_CHUNK, n_ctx), "verify": block_size, "commit": block_size, "decode": 1,
             "inject": min(PREFILL_CHUNK, n_ctx), "block": block_size}
     weights = {(w.source, w.tensor): weight_bytes(w) for g in graphs.values() for w in g.weights}
@@ -64,7 +66,7 @@ def memory_need(graphs: Mapping[str, Graph], weight_bytes: Callable[[Weight], in
     for role, capacity in (("target", n_ctx), ("draft", n_ctx + block_size)):
         for name, g in graphs.items():
             for s in g.states if name.startswith(f"{role}.") and not g.meta_dict.get("slots") else ():
-                kind = kv if "C" in s.value.type.shape else recurrent
+                kind = kv if s.by_position else recurrent
                 kind[role, s.value.name] = _nbytes(s.value, {"C": capacity})
     activations = 0
     for name, g in graphs.items():

@@ -107,6 +107,5 @@ class SlotEngine:
 
 
 def _position_major(programs) -> set[str]:
-    """States whose first axis is the context capacity C (KV caches): row i is position i."""
-    return {st.value.name for program in programs.values() for st in program.graph.states
-            if st.value.type.shape[:1] == ("C",)}
+    """The KV caches (State.by_position): row i is position i."""
+    return {st.value.name for program in programs.values() for st in program.graph.states if st.by_position}

@@ -112,9 +112,9 @@ def test_greedy_rounds_move_only_token_ids_through_the_host(backend, tiny_pair, 
     crossings = []
     for device in {id(p.device): p.device for p in programs}.values():
         for way in ("upload", "download"):
-            def counted(buf, array, inner=getattr(device, way), way=way):
+            def counted(buf, array, *offset, inner=getattr(device, way), way=way):
                 crossings.append((way, array.dtype, array.nbytes))
-                inner(buf, array)
+                inner(buf, array, *offset)
             monkeypatch.setattr(device, way, counted)
     steps = engine.iter_tokens(prompt_ids=PROMPT, max_tokens=40, n_max=7, ignore_eos=True)
     next(steps), next(steps)  # prefill, then a round that uploads the draft's zero states

@@ -3,6 +3,8 @@ back DeviceArrays, takes them back without a host round trip, and they hold what
 interpreter computes."""
 import numpy as np
 
+from dflash_ir.artifact import compile_pair, load_compiled
+from dflash_ir.backends import opencl as opencl_module
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.runner import DeviceProgram, Resident
 from dflash_ir.benchmark.kernels import gdn_case
@@ -83,3 +85,51 @@ def test_kept_outputs_stay_on_the_device_and_feed_another_program(opencl, tmp_pa
     y = other.run({"x": kept[1:4]}).outputs["y"]
     assert device.uploaded == 0
     assert np.array_equal(y, -host[1:4])
+
+
+def test_the_programs_of_one_load_share_each_kv_cache_and_never_copy_it(opencl, agreeing_pair, tmp_path,
+                                                                          monkeypatch):
+    """Prefill, decode, verify and commit update the target's KV caches in one buffer each, and
+    the draft's inject and block its caches: a speculative generation (rounds that keep 6 of
+    16 rows, so the verify wrote rows the rollback drops) copies no KV cache from one
+    program's buffer to another's, and its tokens are the target's alone."""
+    engine = load_compiled(compile_pair(*agreeing_pair("qwen35", 5), out=tmp_path / "art", backend="opencl",
+                                        n_ctx=64), load_tokenizer=False)
+    prompt = list(range(3, 15))
+    alone = engine.generate(prompt_ids=prompt, max_tokens=20, speculative=False, ignore_eos=True).tokens
+    copied = []
+    copy = opencl_module.CLDevice.copy
+    monkeypatch.setattr(opencl_module.CLDevice, "copy",
+                        lambda self, src, *args: copied.append((src, args[1])) or copy(self, src, *args))
+    run = engine.generate(prompt_ids=prompt, max_tokens=20, adaptive=False, ignore_eos=True)
+    assert run.tokens == alone
+    assert {r["accepted"] for r in run.rounds} == {5}
+    caches = [[state for name, state in runner.states.items()
+               if any(s.value.name == name and s.by_position for p in runner.programs.values() for s in p.graph.states)]
+              for runner in (engine.target, engine.draft)]
+    assert all(caches) and all(isinstance(state, DeviceArray) for states in caches for state in states)
+    kv_buffers = {id(state.buffer) for states in caches for state in states}
+    assert copied and not [c for c in copied if {id(c[0]), id(c[1])} & kv_buffers]
+
+
+def test_a_decode_step_uploads_its_inputs_in_one_copy(opencl, tiny_pair, tmp_path, monkeypatch):
+    """A decode step's token, position, pos and kv_len go up in one upload (a copy command
+    costs PoCL a fixed ~45 us) into views of one buffer, which its kernels read: the greedy
+    tokens still equal the interpreter's."""
+    def decoded(backend: str, uploads: list) -> list[int]:
+        engine = load_compiled(compile_pair(*tiny_pair("qwen35"), out=tmp_path / backend, backend=backend, n_ctx=32),
+                               load_tokenizer=False)
+        token = int(engine.target.prefill(list(range(3, 9))).greedy[-1])
+        uploads.clear()
+        tokens = []
+        for _ in range(5):
+            token = int(engine.target.decode(token).greedy[0])
+            tokens.append(token)
+        return tokens
+
+    uploads = []
+    upload = opencl_module.CLDevice.upload
+    monkeypatch.setattr(opencl_module.CLDevice, "upload",
+                        lambda self, buf, array, offset=0: uploads.append(array.nbytes) or upload(self, buf, array, offset))
+    assert decoded("opencl", uploads) == decoded("numpy", [])
+    assert len(uploads) == 5

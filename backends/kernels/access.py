@@ -155,10 +155,17 @@ def _table(name: str, values: tuple) -> Function:
                     lambda kb, q: kb.array("values", F32, len(values), init=[float(v) for v in values])[q])
 
 
-def _sigmoid(kb, x: K) -> K:
+def _sigmoid(kb, x: K, name: str = "e") -> K:
     """Without overflow on either side: e^-|x| is at most 1."""
-    e = kb.let("e", call("exp", -call("fabs", x)))
+    e = kb.let(name, call("exp", -call("fabs", x)))
     return select(x >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def silu_lanes(kb, x: K, name: str) -> K:
+    """x · sigmoid(x) of a vector x, SIGMOID's arithmetic written out in the kernel (device
+    functions take scalars: every module's header holds them all, CUDA's too); `name`
+    names its temporary."""
+    return x * _sigmoid(kb, x, name)
 
 
 SIGMOID = function("sigmoid", [("x", F32)], _sigmoid)

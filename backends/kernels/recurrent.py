@@ -13,7 +13,7 @@ from dflash_ir.ir import Value
 from ..kir import F32, I64, K, call, call_function, cast, const, minimum, select, vsum
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, NodeCtxBase, dim, lowers
-from .access import SIGMOID, SOFTPLUS, weight_at
+from .access import SIGMOID, SOFTPLUS, silu_lanes, weight_at
 from .shapes import FLAT, cdiv, pow2_threads
 
 
@@ -81,6 +81,8 @@ def causal_conv1d(ctx: NodeCtx) -> None:
 
 
 CPU_COLS = 8  # CPU schedule: state columns per work-item
+VECTOR_LANES = 16  # CPU vector schedule: the widest vector of state columns
+VECTORS = 8  # CPU vector schedule: column vectors whose sums a pass over the state rows keeps in registers
 MAX_GROUP = 1024  # work-items a fused_gated_deltanet work-group may hold (CUDA's, and most Vulkan devices')
 
 
@@ -93,19 +95,21 @@ class Token:
     v: Callable[[K], K]              # v at value column c (may add the statements computing it)
     decay: K                         # e^g
     beta: K
+    v_raw: Callable[[K], K] | None = None  # where v is silu of this (a conv's output): v before its SiLU
 
 
 @dataclass(frozen=True)
 class Reads:
     """Where a gated delta rule kernel finds token t's inputs: the plain op's q, k, v, g, β
     buffers, the fused op's conv output and raw gates (whose token starts by normalising
-    q and k), or the layer op's conv input. `token(t, h, kh)` adds the statements starting
-    token t for v head h to the kernel whose buffers the reads were bound in, and returns
-    its inputs. `shared`: q and k are read from work-group memory that the token's own
-    statements fill (ending with a barrier), so a schedule need not copy them there."""
+    q and k), or the layer op's conv input. `token(t, kh)` adds the statements starting
+    token t for k head kh (q and k) to the kernel whose buffers the reads were bound in, and
+    returns a function that adds those of one of its v heads h and returns its inputs.
+    `shared`: q and k are read from work-group memory that the token's own statements fill
+    (ending with a barrier), so a schedule need not copy them there."""
 
     key_heads: int
-    token: Callable[[K, K, K], Token]
+    token: Callable[[K, K], Callable[[K], Token]]
     shared: bool = False
 
 
@@ -119,11 +123,12 @@ def plain_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
     _, hk, dk = q_value.type.shape
     hv, dv = v_value.type.shape[1:]
 
-    def token(t: K, h: K, kh: K) -> Token:
+    def token(t: K, kh: K) -> Callable[[K], Token]:
         def qk(e: K) -> K:
             return (cast(I64, t) * hk + kh) * dim(dk) + e
-        return Token(lambda e: q[qk(e)], lambda e: k[qk(e)], lambda c: v[(cast(I64, t) * hv + h) * dim(dv) + c],
-                     call("exp", g[t * hv + h]), beta[t * hv + h])
+        return lambda h: Token(lambda e: q[qk(e)], lambda e: k[qk(e)],
+                               lambda c: v[(cast(I64, t) * hv + h) * dim(dv) + c], call("exp", g[t * hv + h]),
+                               beta[t * hv + h])
     return Reads(hk, token)
 
 
@@ -140,7 +145,7 @@ def fused_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
     kd, channels = hk * dk, ctx.ins[0].type.shape[1]
     eps = float(ctx.attr["eps"])
 
-    def token(t: K, h: K, kh: K) -> Token:
+    def token(t: K, kh: K) -> Callable[[K], Token]:
         def q_at(e: K) -> K:
             return cast(I64, t) * channels + kh * dk + e
 
@@ -153,9 +158,9 @@ def fused_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
             kb.set(kn, kn + ka * ka)
         kb.set(qn, 1.0 / call("sqrt", qn + eps))
         kb.set(kn, 1.0 / call("sqrt", kn + eps))
-        return Token(lambda e: mixed[q_at(e)] * qn, lambda e: mixed[k_at(e)] * kn,
-                     lambda c: mixed[cast(I64, t) * channels + 2 * kd + h * dv + c],
-                     *_gates(gate_a, gate_b, dt_bias, ssm_a, hv, t, h))
+        return lambda h: Token(lambda e: mixed[q_at(e)] * qn, lambda e: mixed[k_at(e)] * kn,
+                               lambda c: mixed[cast(I64, t) * channels + 2 * kd + h * dv + c],
+                               *_gates(gate_a, gate_b, dt_bias, ssm_a, hv, t, h))
     return Reads(hk, token)
 
 
@@ -183,10 +188,13 @@ class Conv:
         k1, c = self.width - 1, self.channels
         return select(r < k1, self.states.old[r * c + ch], self.x[cast(I64, r - k1) * c + ch])
 
-    def silu(self, kb: KernelSpec, t: K, ch: K) -> K:
-        """silu of the conv output of token t, channel ch (the window xx[t .. t + K-1])."""
+    def raw(self, kb: KernelSpec, t: K, ch: K) -> K:
+        """The conv output of token t, channel ch (the window xx[t .. t + K-1])."""
         taps = [self.xx(t + j, ch) * weight_at(self.w_dtype, self.w, ch, j, self.width) for j in range(self.width)]
-        conv = kb.let("conv", functools.reduce(lambda a, b: a + b, taps))
+        return kb.let("conv", functools.reduce(lambda a, b: a + b, taps))
+
+    def silu(self, kb: KernelSpec, t: K, ch: K) -> K:
+        conv = self.raw(kb, t, ch)
         return conv * call_function(SIGMOID, conv)
 
     def key_channels(self, kb: KernelSpec):
@@ -223,22 +231,32 @@ def _sum_squares(kb: KernelSpec, arr: Array, start: int, n: int, name: str) -> K
     return vsum(acc) if lanes > 1 else acc
 
 
-def conv_reads(kb: KernelSpec, conv: Conv, gates: Callable[[K, K], tuple[K, K]], eps: float) -> Reads:
+def conv_reads(kb: KernelSpec, conv: Conv, gates: Callable[[K, K], tuple[K, K]], eps: float,
+               lanes: int = 1) -> Reads:
     """A fused_gated_deltanet token: the work-group convolves its k head's q and k channels
     into work-group memory, then every work-item takes their L2 norms from there; v is
     convolved where it is read, by the work-item owning the column. (The next token
-    overwrites q and k only after the barriers of this token's output norm.)"""
+    overwrites q and k only after the barriers of this token's output norm.) With `lanes`
+    (a one-item work-group: no barrier), the SiLU of q and k is taken `lanes` channels at a
+    time, and a token offers v before its SiLU (`v_raw`) for the same."""
     dk = conv.dk
     qk = kb.array("qk", F32, 2 * dk, "local")
 
-    def token(t: K, h: K, kh: K) -> Token:
-        with conv.key_channels(kb) as i:
-            qk[i] = conv.silu(kb, t, kb.let("ch", conv.qk_channel(kh, i)))
-        kb.barrier()
+    def token(t: K, kh: K) -> Callable[[K], Token]:
+        if lanes > 1:
+            with kb.loop("i", 0, 2 * dk, lanes) as i:
+                with kb.loop("l", 0, lanes) as j:
+                    qk[i + j] = conv.raw(kb, t, kb.let("ch", conv.qk_channel(kh, i + j)))
+                kb.set(qk.vec(i, lanes), silu_lanes(kb, qk.vec(i, lanes), "qke"))
+        else:
+            with conv.key_channels(kb) as i:
+                qk[i] = conv.silu(kb, t, kb.let("ch", conv.qk_channel(kh, i)))
+            kb.barrier()
         qn = kb.let("qn", 1.0 / call("sqrt", _sum_squares(kb, qk, 0, dk, "qss") + eps))
         kn = kb.let("kn", 1.0 / call("sqrt", _sum_squares(kb, qk, dk, dk, "kss") + eps))
-        return Token(lambda e: qk[e] * qn, lambda e: qk[e + dk] * kn,
-                     lambda c: conv.silu(kb, t, conv.v_channel(h, c)), *gates(t, h))
+        return lambda h: Token(lambda e: qk[e] * qn, lambda e: qk[e + dk] * kn,
+                               lambda c: conv.silu(kb, t, conv.v_channel(h, c)), *gates(t, h),
+                               v_raw=lambda c: conv.raw(kb, t, conv.v_channel(h, c)))
     return Reads(conv.key_heads, token, shared=True)
 
 
@@ -249,7 +267,7 @@ class NormGate:
     row's sum of squares is reduced in work-group memory over the head's `seg` work-items
     (the work-group holds every v head of a k head, `whole` when that is one v head)."""
 
-    red: Array
+    red: Array | None
     z: Buffer
     w: Buffer
     w_dtype: DType
@@ -274,12 +292,25 @@ class NormGate:
                     red[lid] = red[lid] + red[lid + s]
                 kb.barrier()
             total = red[lid - p]
+        return self.inverse_rms(kb, total)
+
+    def inverse_rms(self, kb: KernelSpec, total: K) -> K:
+        """r from a v head's whole sum of squares."""
         return kb.let("rn", 1.0 / call("sqrt", total / self.dv + self.eps))
 
-    def apply(self, kb: KernelSpec, scaled: K, t: K, h: K, c: K) -> K:
-        """The output at value column c from y · r."""
-        gate = kb.let("zg", self.z[(cast(I64, t) * self.hv + h) * self.dv + c])
-        return scaled * weight_at(self.w_dtype, self.w, const(0), c, self.dv) * (gate * call_function(SIGMOID, gate))
+    def _z(self, t: K, h: K, c: K) -> K:
+        return (cast(I64, t) * self.hv + h) * self.dv + c
+
+    def apply(self, kb: KernelSpec, scaled: K, t: K, h: K, c: K, gate: K | None = None) -> K:
+        """The output at value column c from y · r (and silu(z) at c, if taken already)."""
+        if gate is None:
+            z = kb.let("zg", self.z[self._z(t, h, c)])
+            gate = z * call_function(SIGMOID, z)
+        return scaled * weight_at(self.w_dtype, self.w, const(0), c, self.dv) * gate
+
+    def gates(self, kb: KernelSpec, t: K, h: K, c: K, lanes: int) -> K:
+        """silu(z) at value columns c .. c + lanes - 1, as one vector."""
+        return silu_lanes(kb, kb.let("zv", self.z.load(self._z(t, h, c), lanes=lanes)), "ze")
 
 
 @dataclass(frozen=True)
@@ -324,22 +355,27 @@ class DeltaRule:
 
 @lowers("gated_delta_rule", "fused_gated_delta_rule")
 def gated_delta_rule(ctx: NodeCtx) -> None:
-    """The gated delta rule over T rows from `state`, one kernel either way: the CPU schedule
-    where the value dim splits into CPU_COLS-wide column groups, else the GPU one (which is
-    also correct on a CPU). The chunked form (chunk_size > 0) is the same recurrence, so it
+    """The gated delta rule over T rows from `state`, one kernel either way: on a CPU the
+    vector schedule (_cpu_vector_body) where its compiler keeps vectors, else the CPU
+    schedule where the value dim splits into CPU_COLS-wide column groups (lavapipe), else
+    the GPU one (which is also correct on a CPU). The chunked form (chunk_size > 0) is the same recurrence, so it
     runs these kernels too. When nothing else reads the old state (a decode or verify step),
     the new state is written over it: each thread reads a state cell before it writes that
     cell, and a decode then copies no state. The fused op differs only in its `Reads`."""
     state = ctx.ins[5]
     t, hv, dv = ctx.outs[0].type.shape
     dk = state.type.shape[1]
+    lanes = _vector_lanes(ctx, dv)
     cpu = ctx.profile == "cpu" and isinstance(dv, int) and dv % CPU_COLS == 0
-    L = dv // CPU_COLS if cpu else pow2_threads(dv, most=64) if isinstance(dv, int) else 64
+    L = 1 if lanes else dv // CPU_COLS if cpu else pow2_threads(dv, most=64) if isinstance(dv, int) else 64
     kb = ctx.kernel(ctx.node.op, local=(L,))
     reads = (fused_reads if ctx.node.op == "fused_gated_delta_rule" else plain_reads)(ctx, kb)
     rule = DeltaRule(dim(t), dim(dk), dim(dv), hv, ctx.attr.get("head_map", "tiled") == "tiled",
                      float(ctx.attr["scale"]), reads, _bind_states(ctx, kb, state, "o"))
-    if cpu:
+    if lanes:
+        _cpu_vector_body(kb, rule, dv, lanes)
+        kb.launch([hv])
+    elif cpu:
         _cpu_body(kb, rule)
         kb.launch([hv])
     else:
@@ -351,6 +387,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _vector_lanes(ctx: NodeCtx, dv) -> int:
+    """The lanes of _cpu_vector_body's column vectors, or 0 where it does not apply: a CPU
+    whose compiler keeps vectors (PoCL, not lavapipe: row_streams) and a value dim with a
+    power-of-two divisor of at least 4."""
+    if ctx.profile != "cpu" or ctx.row_streams <= 1 or not isinstance(dv, int):
+        return 0
+    lanes = _divisor_lanes(dv, VECTOR_LANES)
+    return lanes if lanes >= 4 else 0
+
+
+def _divisor_lanes(n: int, most: int) -> int:
+    """The largest power of two up to `most` that divides n (at least 1)."""
+    lanes = max(most, 1)
+    while n % lanes:
+        lanes //= 2
+    return lanes
+
+
 @lowers("fused_gated_deltanet")
 def gated_deltanet(ctx: NodeCtx) -> None:
     """A Gated DeltaNet layer between its projections in one kernel: a work-group per k head
@@ -358,34 +412,39 @@ def gated_deltanet(ctx: NodeCtx) -> None:
     and each conv channel, whose state the kernel shifts, is read by one work-group only
     (the state is then updated in place whenever nothing else reads it, as the recurrent
     state is). Per token: conv + SiLU of the k head's q and k into work-group memory,
-    their L2 norms, the recurrence of each v head (the schedules of gated_delta_rule: CPU
-    where the value dim splits into CPU_COLS-wide groups, a work-item per value column
-    otherwise), then the head's RMSNorm, reduced over its work-items, and the silu(z)
-    gate. A k head whose v heads would not fit a work-group is lowered as the parts."""
+    their L2 norms, the recurrence of each v head (the schedules of gated_delta_rule: the
+    CPU vector one, one work-item taking the v heads in turn; CPU where the value dim
+    splits into CPU_COLS-wide groups; a work-item per value column otherwise), then the
+    head's RMSNorm, reduced over its work-items, and the silu(z) gate. A k head whose v
+    heads would not fit a work-group is lowered as the parts."""
     x, conv_w, conv_state, gate_a, gate_b, dt_bias, ssm_a, state, z, norm_w = ctx.ins
     y, conv_new, new_state = ctx.outs
     t, hv, dv = y.type.shape
     dk = state.type.shape[1]
     hk = ctx.attr["key_heads"]
     per = hv // hk
+    lanes = _vector_lanes(ctx, dv)
     cpu = ctx.profile == "cpu" and dv % CPU_COLS == 0
-    seg = dv // CPU_COLS if cpu else dv  # work-items per v head: none idle (PoCL ran guarded stores of idle ones)
+    seg = 1 if lanes else dv // CPU_COLS if cpu else dv  # work-items per v head: none idle (PoCL ran guarded stores of idle ones)
     if per * seg > MAX_GROUP:
         gated_deltanet_parts(ctx)
         return
-    kb = ctx.kernel(ctx.node.op, local=(per * seg,))
+    kb = ctx.kernel(ctx.node.op, local=(1 if lanes else per * seg,))
     xb, wb, ab, bb, dtb, sab, zb, nwb = (kb.bind(name, v) for name, v in (
         ("x", x), ("conv_w", conv_w), ("gate_a", gate_a), ("gate_b", gate_b), ("dt_bias", dt_bias), ("ssm_a", ssm_a),
         ("z", z), ("norm_w", norm_w)))
     conv = Conv(xb, wb, conv_w.type.dtype, conv_w.type.shape[1], x.type.shape[1], hk, dk, dv, dim(t),
                 _bind_state(ctx, kb, conv_state, conv_new, prefix="conv_"))
     states = _bind_state(ctx, kb, state, new_state, out=("o", y))
-    reads = conv_reads(kb, conv, lambda t_, h: _gates(ab, bb, dtb, sab, hv, t_, h), float(ctx.attr["eps"]))
-    norm = NormGate(kb.array("red", F32, per * seg, "local"), zb, nwb, norm_w.type.dtype, hv, dv,
+    reads = conv_reads(kb, conv, lambda t_, h: _gates(ab, bb, dtb, sab, hv, t_, h), float(ctx.attr["eps"]),
+                       _divisor_lanes(2 * dk, lanes))
+    norm = NormGate(None if lanes else kb.array("red", F32, per * seg, "local"), zb, nwb, norm_w.type.dtype, hv, dv,
                     float(ctx.attr["norm_eps"]), seg, per == 1)
     rule = DeltaRule(dim(t), dim(dk), dim(dv), hv, ctx.attr.get("head_map", "tiled") == "tiled",
                      float(ctx.attr["scale"]), reads, states, seg, norm, conv)
-    if cpu:
+    if lanes:
+        _cpu_vector_body(kb, rule, dv, lanes)
+    elif cpu:
         _cpu_body(kb, rule)
     else:
         _gpu_body(kb, rule, dk, per * seg)
@@ -433,7 +492,7 @@ def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
     with kb.loop("e", 0, DK) as e:
         S[e] = select(live, states.old[cell(e)], 0.0)
     with kb.loop("t", 0, T) as t:
-        token = rule.reads.token(t, h, kh)
+        token = rule.reads.token(t, kh)(h)
         if shared:
             q_at, k_at = (lambda e: token.q(e) * rule.scale), token.k
         else:
@@ -465,6 +524,102 @@ def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
             rule.conv.write(kb, rule.conv.v_channel(h, col))
 
 
+def _walk_tokens(kb: KernelSpec, rule: DeltaRule, kh: K, token: Callable[[K, Buffer], None]) -> None:
+    """token(t, rows) for every token: token 0 reads the old state (new_state itself in
+    place), later ones the rows the token before wrote to new_state; then the conv state's
+    q and k channels of k head kh (the v channels are the schedule's to write)."""
+    with kb.loop("t", 0, minimum(rule.T, 1)) as t:
+        token(t, rule.states.old)
+    with kb.loop("t", 1, rule.T) as t:
+        token(t, rule.states.new)
+    if rule.conv is not None:
+        rule.conv.write_key_head(kb, kh)
+
+
+def _cpu_vector_body(kb: KernelSpec, rule: DeltaRule, dv: int, lanes: int) -> None:
+    """A work-item per v head (in a fused_gated_deltanet kernel, a one-item work-group per k
+    head, taking its v heads in turn) holds the head's state columns as `lanes`-wide
+    vectors, VECTORS of them in registers per pass: per token, one pass over the state rows
+    sums k·S, the next writes the updated rows and sums y, a column group at a time. No
+    barrier and no work-group memory between the passes: on a CPU, a work-group of items
+    that share a token through work-group memory (_cpu_body) spends most of its time on
+    the barriers' bookkeeping (PoCL keeps each item's live values in memory across them).
+    Each column's arithmetic is _cpu_body's, so a row's result does not depend on how many
+    rows share the call; the output norm sums the head's squares in vector order."""
+    T, DK, states = rule.T, rule.DK, rule.states
+    V, n = F32.vec(lanes), dv // lanes
+    groups = [range(g, min(g + VECTORS, n)) for g in range(0, n, VECTORS)]
+    if rule.seg:
+        kh = kb.let("kh", kb.gid(0))
+        per = rule.hv // rule.reads.key_heads
+
+        def head(sub: K) -> K:
+            return kb.let("h", kh + sub * rule.reads.key_heads if rule.tiled else kh * per + sub)
+    else:
+        per, h0 = 1, kb.let("h", kb.gid(0))
+        kh = kb.let("kh", rule.key_head(h0))
+
+        def head(sub: K) -> K:
+            return h0
+    vv, yy = kb.array("vv", F32, dv), kb.array("yy", F32, dv)
+
+    def token(t: K, src: Buffer) -> None:
+        key_head = rule.reads.token(t, kh)
+        with kb.loop("sub", 0, per) as sub:
+            h = head(sub)
+            reads = key_head(h)
+            decay, b = kb.let("decay", reads.decay), kb.let("b", reads.beta)
+            if reads.v_raw is None:
+                with kb.loop("c", 0, dv) as c:
+                    vv[c] = reads.v(c)
+            else:
+                with kb.loop("c", 0, dv, lanes) as c:
+                    with kb.loop("l", 0, lanes) as j:
+                        vv[c + j] = reads.v_raw(c + j)
+                    kb.set(vv.vec(c, lanes), silu_lanes(kb, vv.vec(c, lanes), "ve"))
+            for g in groups:
+                sk = {i: kb.let(f"sk{i}", cast(V, 0.0)) for i in g}
+                with kb.loop("e", 0, DK) as e:
+                    kv = kb.let("kv", reads.k(e))
+                    r = kb.let("r", rule.state_row(h, e))
+                    for i in g:
+                        kb.set(sk[i], sk[i] + src.load(r + i * lanes, lanes=lanes) * kv)
+                delta = {i: kb.let(f"delta{i}", b * (vv.vec(i * lanes, lanes) - decay * sk[i])) for i in g}
+                y = {i: kb.let(f"y{i}", cast(V, 0.0)) for i in g}
+                with kb.loop("e", 0, DK) as e:
+                    kv, qv = kb.let("kv", reads.k(e)), kb.let("qv", reads.q(e) * rule.scale)
+                    r = kb.let("r", rule.state_row(h, e))
+                    for i in g:
+                        s = kb.let(f"s{i}", decay * src.load(r + i * lanes, lanes=lanes) + kv * delta[i])
+                        kb.set(y[i], y[i] + s * qv)
+                        states.new.store(r + i * lanes, s)
+                for i in g:
+                    kb.set(yy.vec(i * lanes, lanes), y[i])
+            if rule.norm is None:
+                with kb.loop("c", 0, dv) as c:
+                    states.out[rule.out_row(t, h) + c] = yy[c]
+                return
+            squares = kb.let("squares", cast(V, 0.0))
+            with kb.loop("i", 0, n) as i:
+                kb.set(squares, squares + yy.vec(i * lanes, lanes) * yy.vec(i * lanes, lanes))
+            rn = rule.norm.inverse_rms(kb, vsum(squares))
+            with kb.loop("c", 0, dv, lanes) as c:
+                kb.set(vv.vec(c, lanes), rule.norm.gates(kb, t, h, c, lanes))
+            with kb.loop("c", 0, dv) as c:
+                states.out[rule.out_row(t, h) + c] = rule.norm.apply(kb, yy[c] * rn, t, h, c, vv[c])
+
+    if not states.in_place:  # no token runs when T is 0: the new state is the old one
+        with kb.if_(T.eq(0)), kb.loop("sub", 0, per) as sub, kb.loop("e", 0, DK * dv) as e:
+            at = kb.let("at", rule.state_row(head(sub), const(0)) + e)
+            states.new[at] = states.old[at]
+    _walk_tokens(kb, rule, kh, token)
+    if rule.conv is not None:
+        with kb.loop("sub", 0, per) as sub:
+            h = head(sub)
+            with kb.loop("c", 0, dv) as c:
+                rule.conv.write(kb, rule.conv.v_channel(h, c))
+
+
 def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
     """A work-item per (v head, CPU_COLS state columns) streams the state rows twice per
     token, once for k·S and once to write the updated rows (and sum y), with nothing held
@@ -488,7 +643,7 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
         return kb.loop("j", 0, CPU_COLS)
 
     def token(t: K, src: Buffer) -> None:
-        reads = rule.reads.token(t, h, kh)
+        reads = rule.reads.token(t, kh)(h)
         decay, b = kb.let("decay", reads.decay), kb.let("b", reads.beta)
         with columns() as j:
             sk[j] = 0.0
@@ -520,11 +675,7 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
             r = kb.let("r", rule.state_row(h, e) + c0)
             with columns() as j:
                 states.new[r + j] = states.old[r + j]
-    with kb.loop("t", 0, minimum(T, 1)) as t:
-        token(t, states.old)
-    with kb.loop("t", 1, T) as t:
-        token(t, states.new)
+    _walk_tokens(kb, rule, kh, token)
     if rule.conv is not None:
-        rule.conv.write_key_head(kb, kh)
         with columns() as j:
             rule.conv.write(kb, rule.conv.v_channel(h, c0 + j))

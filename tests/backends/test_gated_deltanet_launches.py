@@ -4,6 +4,7 @@ gate: fused_gated_deltanet), per decode token and per verify, in both device pro
 import pytest
 
 from dflash_ir.artifact import open_pair
+from dflash_ir.backends.kir.ir import walk
 from dflash_ir.backends.lowering import lower
 from dflash_ir.backends.plan import compile_expr
 from dflash_ir.models.generator import tiny_target_config
@@ -50,3 +51,16 @@ def test_gated_deltanet_layer_is_one_launch_between_its_projections(target, prof
         assert graph.nodes[out].op in ("fused_matmul", "matmul_q8_0"), name
         between = range(projections + 1, out)
         assert sum(launches(plan, j, env) for j in between) == 1, [graph.nodes[j].op for j in between]
+
+
+@pytest.mark.parametrize("row_streams, local, barriers", [(4, (1, 1, 1), False), (1, (4, 1, 1), True)])
+def test_a_cpu_that_keeps_vectors_runs_each_k_head_in_one_work_item(target, row_streams, local, barriers):
+    """PoCL (row_streams > 1): a one-item work-group per k head holding its v heads' state
+    columns in vectors, so no token waits at a barrier; lavapipe, which scalarises vectors:
+    the head's columns CPU_COLS to a work-item, sharing q, k and the output norm through
+    work-group memory (the tiny target's k head holds 2 v heads of 16 columns: 4 items)."""
+    _, pair = target
+    plan = lower(pair.graphs["target.verify"], "cpu", row_streams=row_streams)
+    kernels = [k for k in plan.kernels.values() if k.op == "fused_gated_deltanet"]
+    assert kernels and {k.local for k in kernels} == {local}
+    assert {any(n.op == "barrier" for n in walk(k.body)) for k in kernels} == {barriers}

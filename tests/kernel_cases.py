@@ -126,6 +126,18 @@ case("softmax_last", T=3)(lambda c: c.out(c.b.softmax(c.x("x", ("T", 300), scale
 case("softmax_axis0")(lambda c: c.out(c.b.softmax(c.x("x", (7, 3, 5)), axis=0)))
 case("argmax_ties")(lambda c: c.out(c.b.argmax(c.b.cast(c.b.cast(c.x("x", (4, 1000), scale=3.0), dtype="i32"), dtype="f32"))))
 case("argmax_one_row")(lambda c: c.out(c.b.argmax(c.x("x", (1, 70000)))))
+
+
+@case("argmax_lane_ties_and_tail")
+def _argmax_lanes(c: CaseBuilder) -> None:
+    """Rows of 53 (three whole 16-lane vectors and a tail): a maximum tied in two lanes and
+    the tail (the first wins: 5), a row of -inf (0), a maximum in the tail alone (52)."""
+    x = np.full((3, 53), -1.0, np.float32)
+    x[0, [20, 5, 50]] = 7.0
+    x[1] = -np.inf
+    x[2, 52] = 9.0
+    c.inputs["x"] = x
+    c.out(c.b.argmax(c.b.input("x", F32, (3, 53))))
 case("topk_ties", T=6)(lambda c: c.out(*c.b.topk(c.b.cast(c.b.cast(c.x("x", ("T", 10), scale=2.0), dtype="i32"),
                                                                dtype="f32"), k=4)))
 case("topk_experts", T=3)(lambda c: c.out(*c.b.topk(c.b.softmax(c.x("x", ("T", 64)), axis=-1), k=8)))

@@ -150,3 +150,16 @@ def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path, numerics):
     want = Interpreter(graph, lambda w: weights[w.tensor]).run({"ids": ids}).outputs["logits"]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert list(program._resident) == [f"table@{layout}"]
+
+
+@pytest.mark.parametrize("row_streams, local", [(4, (1, 1, 1)), (1, (64, 1, 1))])
+def test_cpu_argmax_takes_a_row_per_work_item_where_vectors_are_kept(row_streams, local):
+    """PoCL (row_streams > 1): a work-item per row comparing 16 lanes at a time, no barrier;
+    lavapipe, which scalarises vectors: a work-group per row and a barrier tree."""
+    from dflash_ir.backends.kir.ir import walk
+    from dflash_ir.backends.lowering import lower
+
+    plan = lower(CASES["argmax_lane_ties_and_tail"].build().b.build(), "cpu", row_streams=row_streams)
+    (kernel,) = plan.kernels.values()
+    assert kernel.local == local
+    assert any(n.op == "barrier" for n in walk(kernel.body)) == (row_streams == 1)

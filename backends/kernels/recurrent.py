@@ -425,7 +425,8 @@ def gated_deltanet(ctx: NodeCtx) -> None:
     per = hv // hk
     lanes = _vector_lanes(ctx, dv)
     cpu = ctx.profile == "cpu" and dv % CPU_COLS == 0
-    seg = 1 if lanes else dv // CPU_COLS if cpu else dv  # work-items per v head: none idle (PoCL ran guarded stores of idle ones)
+    # work-items per v head: none idle (PoCL ran guarded stores of idle ones)
+    seg = 1 if lanes else dv // CPU_COLS if cpu else dv
     if per * seg > MAX_GROUP:
         gated_deltanet_parts(ctx)
         return

@@ -50,7 +50,7 @@ ELEMENT = {DType.F32: "f32", DType.F16: "u16", DType.BF16: "u16", DType.I32: "i3
 LOWERINGS: dict[str, Callable[["NodeCtx"], None]] = {}  # op -> kernel builder
 PROFILES = ("gpu", "cpu")
 # instruction set extensions a device compiler may not target by itself, which kernels then
-# reach through their printer (kir.dpbusd); named as in /proc/cpuinfo
+# reach through their printer (kir.dpbusd_at); named as in /proc/cpuinfo
 ISA_EXTENSIONS = ("avx512_vnni",)
 
 

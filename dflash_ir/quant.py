@@ -194,7 +194,9 @@ def pack_q8_0_cols16(storage: np.ndarray, dp4: bool = False, out: np.ndarray | N
 
     `dp4`: the quants of four input indices side by side instead, at 32 + 64 (kk / 4) +
     4 row + kk % 4, so a 64-byte load holds 16 outputs' 4-byte words for an integer dot
-    product instruction (x86 VPDPBUSD).
+    product instruction (x86 VPDPBUSD), and each stored as the unsigned byte q + 128 (q xor
+    0x80; padding rows' too), the instruction's unsigned operand: x's signed quants are then
+    its other operand as they are, broadcast straight from memory.
 
     `out`: bytes to pack into (a mapped device buffer's), else a new array is returned."""
     rows = np.ascontiguousarray(storage, dtype=np.uint8)
@@ -206,7 +208,9 @@ def pack_q8_0_cols16(storage: np.ndarray, dp4: bool = False, out: np.ndarray | N
     _interleave_rows(blocks[..., :2], out[..., :COLS * 2].reshape(groups, nb, COLS, 2), axis=2)
     if dp4:  # the quants copied out of their 34-byte blocks first, so their 4-byte words move as u32s
         words = np.ascontiguousarray(blocks[..., 2:]).view("<u4")            # [row, b, 8]
-        _interleave_rows(words, out[..., COLS * 2:].view("<u4").reshape(groups, nb, 8, COLS), axis=3)
+        quants = out[..., COLS * 2:]
+        _interleave_rows(words, quants.view("<u4").reshape(groups, nb, 8, COLS), axis=3)
+        quants ^= 0x80
     else:
         _interleave_rows(blocks[..., 2:], out[..., COLS * 2:].reshape(groups, nb, 32, COLS), axis=3)
     return out.reshape(-1)

@@ -181,6 +181,9 @@ for _form, _t in (("gemv", 1), ("gemv", 3), ("gemv", 20), ("gemm", 37), ("gemm",
     case(f"matmul_f16_residual_{_t}_rows", T=_t)(_specialised("matmul_f16", F16, _form, residual=True))
 for _t in (1, 6):  # K = 34 blocks: scale runs of 16 and a tail of two, Q8_0 x Q8_0
     case(f"matmul_q8_0_q8_x_scale_runs_{_t}_rows", T=_t)(_specialised("matmul_q8_0", Q8, "gemv", False, True, 1088))
+# 19 groups of 16 outputs: the CPU tiles' work-groups of 2 leave one work-item without a group,
+# which still shares the barriers around the block sums of x (the VNNI tiles')
+case("matmul_q8_0_q8_x_idle_work_item", T=20)(_specialised("matmul_q8_0", Q8, "gemv", False, True, 64, 19 * 16))
 case("quantize_q8_0", T=5)(lambda c: c.out(c.b.op("quantize_q8_0", c.x("x", ("T", 3, 96), scale=4.0))))
 
 

@@ -151,7 +151,8 @@ def test_quantize_rejects_bad_input():
 @pytest.mark.parametrize("dp4", [False, True])
 def test_q8_0_cols16_packs_each_quant_where_the_tiles_read_it(dp4):
     """Group g, block b at byte (g * nb + b) * 544: 16 f16 scales, then quant (row, 32 b + kk)
-    at 32 + 16 kk + lane, or with dp4 at 32 + 64 (kk / 4) + 4 lane + kk % 4; rows padded."""
+    at 32 + 16 kk + lane, or with dp4 at 32 + 64 (kk / 4) + 4 lane + kk % 4 as the unsigned
+    byte q + 128; rows padded with quants 0."""
     from dflash_ir.quant import COLS_BLOCK_BYTES, pack_q8_0_cols16
 
     n, k = 21, 96
@@ -167,7 +168,8 @@ def test_q8_0_cols16_packs_each_quant_where_the_tiles_read_it(dp4):
             assert bytes(packed[at + 2 * lane:at + 2 * lane + 2]) == bytes(want[:2])
             for kk in range(32):
                 offset = 64 * (kk // 4) + 4 * lane + kk % 4 if dp4 else 16 * kk + lane
-                assert packed[at + 32 + offset] == want[2 + kk]
+                quant = int(want[2 + kk].view(np.int8))
+                assert packed[at + 32 + offset] == (quant + 128 if dp4 else quant & 0xFF)
 
 
 

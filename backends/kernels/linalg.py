@@ -20,8 +20,9 @@ from dflash_ir.ops.specialised import OPS
 from dflash_ir.passes.specialise_matmul import GEMV_KINDS
 from dflash_ir.types import Dim, TensorType
 
-from ..kir import F32, I32, I64, K, call, call_function, cast, const, dot4_i8, dpbusd, maximum, minimum, select, vsum
-from ..kir.build import Buffer, KernelBuilder
+from ..kir import (F32, I32, I64, K, call, call_function, cast, const, dot4_i8, dpbusd_at, maximum, minimum, select,
+                   vsum)
+from ..kir.build import Array, Buffer, KernelBuilder
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, SIGMOID, Cols16Loads, Dp4Loads, q8_row_bytes, weight_at, weight_chunk
 from dflash_ir.quant import COLS_BLOCK_BYTES, DP4_TYPES, TILED_BLOCK_TYPES, cols16_layout
@@ -95,8 +96,11 @@ def _cols16_at(buf: Buffer, row: K, col: K, k: int, layout: str) -> K:
     """f32 value of element (row, col) of a Q8_0 weight in a quant.pack_q8_0_cols16 layout."""
     block = (cast(I64, row / COLS) * (k // 32) + col / 32) * COLS_BLOCK_BYTES
     lane, kk = row % COLS, col % 32
-    at = (kk / 4) * 4 * COLS + lane * 4 + kk % 4 if layout == "q8_0_cols16_dp4" else kk * COLS + lane
-    return cast(F32, buf.load(block + 2 * COLS + at, "i8")) * buf.load(block / 2 + lane, "f16")
+    if layout == "q8_0_cols16_dp4":  # the quant stored as the unsigned byte q + 128
+        quant = buf.load(block + 2 * COLS + (kk / 4) * 4 * COLS + lane * 4 + kk % 4, "u8") - 128
+    else:
+        quant = buf.load(block + 2 * COLS + kk * COLS + lane, "i8")
+    return cast(F32, quant) * buf.load(block / 2 + lane, "f16")
 
 
 @dataclass(frozen=True)
@@ -502,17 +506,43 @@ def _tiles(kb: KernelBuilder, bufs: dict, t: Tiled, M: K, R: int, P: int, items:
     Every output's sum is the same sequence of FMAs whatever R and P are, so a row's result
     does not depend on how many rows share the call (batch invariance). With x in Q8_0 the
     products of a block are summed exactly (integer-valued floats below 2^24, or VPDPBUSD's
-    integers with `dp4`), then scaled by both blocks' scales."""
+    integers with `dp4`), then scaled by both blocks' scales. The dp4 sums over Q8_0 weights
+    start from the rows' block sums of x (_dp4_tile_sums), which the work-group takes once
+    per R rows into local memory, between barriers."""
     u0 = kb.let("u0", (kb.gid(0) * items + kb.lid(0)) * P)
-    kb.return_if(u0 >= t.units)
+    x_sums = dp4 and t.weights[0].dtype is DType.Q8_0
+    nb = t.k // DType.Q8_0.block_size
+    sums = kb.array("x_sums", I32, R * nb, scope="local") if x_sums else None
+    if sums is None:
+        kb.return_if(u0 >= t.units)
     first = kb.let("first", kb.gid(1) * span)
     with kb.loop("r0", first, minimum(first + span, M), R) as r0:
-        _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span)
+        if sums is None:
+            _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span)
+        else:
+            _x_block_sums(kb, bufs["x"], sums, r0, M, R, nb, items)
+            kb.barrier()
+            with kb.if_(u0 < t.units):
+                _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span, sums)
+            kb.barrier()  # before the next rows' sums overwrite these
+
+
+def _x_block_sums(kb: KernelBuilder, x: Buffer, sums: Array, r0: K, M: K, R: int, nb: int, items: int) -> None:
+    """-128 times the sum of the quants of each Q8_0 block of x's rows r0 .. r0+R-1 (rows
+    past M read as row M-1, as the tile reads them) into sums[r * nb + b], the work-group's
+    items taking every items-th."""
+    with kb.loop("i", kb.lid(0), R * nb, items) as i:
+        at = kb.let("x_at", (cast(I64, minimum(r0 + i / nb, M - 1)) * nb + i % nb) * Q8_BLOCK + 2)
+        total = kb.let("x_total", const(0))
+        with kb.loop("e", 0, DType.Q8_0.block_size) as e:
+            kb.set(total, total + x.load(at + e, "i8"))
+        sums[i] = total * -128
 
 
 def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K, dp4: bool,
-               block_span: int) -> None:
-    """Rows r0 .. r0+R-1 of the work-item's units (_tiles)."""
+               block_span: int, x_sums: Array | None = None) -> None:
+    """Rows r0 .. r0+R-1 of the work-item's units (_tiles); `x_sums` those rows' block sums
+    (_x_block_sums) where the dp4 sums over Q8_0 weights need them."""
     x, w = bufs["x"], bufs["w"]
     dtype = t.weights[0].dtype
     k, nb = t.k, t.k // dtype.block_size
@@ -532,14 +562,14 @@ def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0
             return weight_at(t.norm[0], bufs["norm"], const(0), i, k)
     q8_x = (x, rows) if x_q8 else None
     tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype,
-              block_span)
+              block_span, x_sums)
     _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
 
 
 def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
               x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None = None,
               q8_x: tuple[Buffer, list[K]] | None = None, dp4: bool = False, dtype: DType = DType.Q8_0,
-              block_span: int = 0) -> None:
+              block_span: int = 0, x_sums: Array | None = None) -> None:
     """The inner loops of a CPU tile (dense products and the expert products of kernels/moe.py):
     for blocks 0 .. nb-1 of each group j (its buffer, and the byte of its first block in
     quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r,
@@ -547,7 +577,8 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     row's sums are the same sequence of FMAs whatever R is). `norm_at(i)`: a norm weight folded
     into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first element): exact
     integer block sums, scaled by both scales; with `dp4` (the weights in the dp4 layout) the
-    integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers. Another block `dtype`
+    integer sums are VPDPBUSD's (_dp4_tile_sums, from x's block sums `x_sums`), the same
+    integers. Another block `dtype`
     (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, `block_span` elements
     at a time unrolled (the lowering's, for a decode's product; 0: a loop); with `q8_x` by
     _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack."""
@@ -560,7 +591,7 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
         _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at, block_span)
         return
     if dp4:
-        _dp4_tile_sums(kb, groups, nb, acc, R, q8_x)
+        _dp4_tile_sums(kb, groups, nb, acc, R, q8_x, x_sums)
         return
     with kb.loop("b", 0, nb) as b:
         at, scale = _group_block(kb, groups, b)
@@ -730,11 +761,10 @@ def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer
             xsum = [kb.let(f"xsum{r}_{h}", cast(I, 0)) for r in range(R)]
             for q in range(h * quads, (h + 1) * quads):
                 codes = [kb.let(f"c{j}_{q}", words.codes(word(j), s, q)) for j in range(G)]
-                for r in range(R):
-                    xq = kb.let(f"xq{r}_{q}", cast(I, _q8_words(x, xb[r], q)))
-                    kb.set(xsum[r], dpbusd(xsum[r], cast(I, ONES), xq))
+                for r in range(R):  # x's word q, broadcast by the instruction (dpbusd_at)
+                    kb.set(xsum[r], dpbusd_at(xsum[r], cast(I, ONES), x, xb[r] + 2 + 4 * q))
                     for j in range(G):
-                        kb.set(dot[r, j], dpbusd(dot[r, j], codes[j], xq))
+                        kb.set(dot[r, j], dpbusd_at(dot[r, j], codes[j], x, xb[r] + 2 + 4 * q))
             if words.bias:
                 for key in acc:
                     kb.set(dot[key], dot[key] - xsum[key[0]] * words.bias)
@@ -750,36 +780,31 @@ def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[
     return at, [kb.let(f"d{j}", w.load(at[j] / 2, "f16", COLS)) for j, (w, _) in enumerate(groups)]
 
 
-SIGN_BYTES = -0x7F7F7F80  # 0x80808080: xor makes signed bytes q the unsigned bytes q + 128
-
-
 def _dp4_tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
-                   q8_x: tuple[Buffer, list[K]]) -> None:
-    """tile_sums over Q8_0 x with VPDPBUSD (unsigned x signed bytes, four per 32-bit lane):
-    x's quants q go in as q + 128, so each block's sum is dpbusd(q + 128, w) - 128 sum(w), the
-    weights' sum taken with the same instruction on bytes of 1. Integers below 2^24 either
-    way, so the block sums, and everything after them, equal tile_sums' f32 ones bit for bit."""
+                   q8_x: tuple[Buffer, list[K]], x_sums: Array) -> None:
+    """tile_sums over Q8_0 x with VPDPBUSD (unsigned x signed bytes, four per 32-bit lane): the
+    dp4 pack holds the weights' quants w as the unsigned bytes w + 128, and x's quants q are
+    the signed operand as they are, each word broadcast from memory by the instruction
+    (dpbusd_at), so a row's word costs one instruction and no register broadcast. A block's
+    sum starts from -128 sum(q) (x_sums, taken once per work-group) and so ends at the exact
+    integer sum(w q): the block sums, and everything after them, equal tile_sums' f32 ones
+    bit for bit."""
     V, I = F32.vec(COLS), I32.vec(COLS)
     x, rows = q8_x
-    G = len(groups)
     with kb.loop("b", 0, nb) as b:
         at, scale = _group_block(kb, groups, b)
         xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
-        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, 0)) for key in acc}
-        wsum = [kb.let(f"wsum{j}", cast(I, 0)) for j in range(G)]
+        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, x_sums[key[0] * nb + b])) for key in acc}
         with kb.loop("k4", 0, 8, unroll=UNROLL) as k4:
             wv = [kb.let(f"w{j}", w.load((at[j] + 2 * COLS) / 4 + k4 * COLS, "i32", COLS))
                   for j, (w, _) in enumerate(groups)]
-            for j in range(G):
-                kb.set(wsum[j], dpbusd(wsum[j], cast(I, 0x01010101), wv[j]))
             for r in range(R):
-                xv = kb.let(f"x{r}", cast(I, _q8_words(x, xb[r], k4) ^ SIGN_BYTES))
-                for j in range(G):
-                    kb.set(dot[r, j], dpbusd(dot[r, j], xv, wv[j]))
+                for j in range(len(groups)):
+                    kb.set(dot[r, j], dpbusd_at(dot[r, j], wv[j], x, xb[r] + 2 + 4 * k4))
         for r in range(R):
             dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
-            for j in range(G):
-                kb.set(acc[r, j], call("fma", cast(V, dot[r, j] - wsum[j] * 128), scale[j] * dx, acc[r, j]))
+            for j in range(len(groups)):
+                kb.set(acc[r, j], call("fma", cast(V, dot[r, j]), scale[j] * dx, acc[r, j]))
 
 
 def _inverse_rms(kb: KernelSpec, x: Buffer, start: K, k: int, eps: float, r: int) -> K:

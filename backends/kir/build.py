@@ -120,12 +120,14 @@ def dot4_i8(a: Operand, b: Operand, acc: Operand) -> K:
     return K("call", I32, tuple(cast(I32, lift(x, I32)) for x in (a, b, acc)), "dot4_i8")
 
 
-def dpbusd(acc: Operand, u: Operand, s: Operand) -> K:
-    """acc + per 32-bit lane the dot product of u's four unsigned bytes with s's four signed
-    bytes, 16 lanes (x86 VPDPBUSD, AVX-512 VNNI): only the OpenCL printer has it, and only a
-    device whose lowering ISA includes avx512_vnni may be given it."""
+def dpbusd_at(acc: Operand, u: Operand, buf: "Buffer", byte: Operand) -> K:
+    """acc + per 32-bit lane of 16 the dot product of u's four unsigned bytes with the four
+    signed bytes at byte `byte` of `buf` (any alignment), the same word in every lane: x86
+    VPDPBUSD (AVX-512 VNNI) in its broadcast-from-memory form, so a word costs no broadcast
+    into a register. Only the OpenCL printer has it, and only a device whose lowering ISA
+    includes avx512_vnni may be given it."""
     t = I32.vec(16)
-    return K("call", t, tuple(cast(t, lift(x, t)) for x in (acc, u, s)), "dpbusd")
+    return K("dpbusd_at", t, (cast(t, lift(acc, t)), cast(t, lift(u, t)), lift(byte, I32)), buf.name)
 
 
 def call_function(fn: Function, *args: Operand) -> K:
@@ -365,5 +367,5 @@ def function(name: str, params: Sequence[tuple[str, DT]], make) -> Function:
 
 
 __all__ = ["KernelBuilder", "Buffer", "Array", "const", "lift", "cast", "bitcast", "binary", "select", "call",
-           "dot4_i8", "dpbusd", "call_function", "minimum", "maximum", "vsum", "var", "block", "function", "free_vars",
-           "F32", "I16", "I32", "U32", "I64", "BOOL", "VOID", "DT"]
+           "dot4_i8", "dpbusd_at", "call_function", "minimum", "maximum", "vsum", "var", "block", "function",
+           "free_vars", "F32", "I16", "I32", "U32", "I64", "BOOL", "VOID", "DT"]

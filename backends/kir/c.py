@@ -133,8 +133,8 @@ static inline float16 f16x16_to_f32(ushort16 h) {
 #if defined(__x86_64__) && defined(__AVX512F__)
 /* VPDPBUSD by inline assembly: PoCL compiles for the CPU model the VM reports (skylake-avx512),
    which has the registers but not the instruction; lowering uses it only where the host has it */
-static inline int16 dpbusd(int16 acc, int16 u, int16 s) {
-  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+static inline int16 dpbusd_at(int16 acc, int16 u, __global const uchar* s) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(__global const int*)s));
   return acc;
 }
 #endif
@@ -157,6 +157,13 @@ static inline float round_f16(float v) {
 
     def intrinsic(self, name: str, t: DT) -> str:
         return name  # OpenCL's math names are overloaded for float and its vectors
+
+    def _expr(self, n: K):
+        if n.op == "dpbusd_at":
+            acc, u, byte = n.src
+            word = f"{self._typed(self.params[n.arg], 'uchar')} + ({self.expr(byte)})"
+            return f"dpbusd_at({self.expr(acc)}, {self.expr(u)}, {word})", 16
+        return super()._expr(n)
 
     def minmax(self, op: str, t: DT) -> str:
         return ("fmin" if op == "min" else "fmax") if t.is_float else op

@@ -14,11 +14,12 @@ nothing else. The ops, with `src` and `arg`:
     <binary>    (a, b)                add sub mul div mod shl shr and or xor lt le gt ge eq ne
                                       land lor min max (div and mod as in C: truncating)
     neg not bnot (a,)
-    call        args                  function name: a math intrinsic (MATH, dot4_i8, dpbusd) or a
-                                      device function; round_f16 rounds to f16 and back, dot4_i8(a,
-                                      b, acc) adds the dot product of the four signed bytes of a and
-                                      b, dpbusd(acc, u, s) per lane of 16 that of u's unsigned bytes
-                                      with s's signed ones (x86 VNNI, OpenCL on a CPU only)
+    call        args                  function name: a math intrinsic (MATH, dot4_i8) or a device
+                                      function; round_f16 rounds to f16 and back, dot4_i8(a, b,
+                                      acc) adds the dot product of the four signed bytes of a and b
+    dpbusd_at   (acc, u, byte)        buffer: acc + per lane of 16 the dot product of u's four
+                                      unsigned bytes with the four signed bytes at `byte` of the
+                                      buffer (x86 VNNI's memory-broadcast form; OpenCL on a CPU only)
     select      (cond, a, b)
     cast        (x,)                  value conversion to dtype
     bitcast     (x,)                  reinterpret the bits as dtype (same width)

@@ -24,7 +24,7 @@ def test_only_products_over_q8_0_x_take_the_dp4_layout_and_vpdpbusd():
     q8 = lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu", isa=VNNI)
     assert [layout for _, layout in q8.packs.values()] == ["q8_0_cols16_dp4"]
     source = "".join(PRINTERS["opencl"].kernel_source(k) for k in q8.kernels.values())
-    assert "dpbusd(" in source
+    assert "dpbusd_at(" in source and "dpbusd(" not in source  # x's words broadcast by the instruction
     f32 = lower(_graph("matmul_q8_0_16_rows"), "cpu", isa=VNNI)
     assert [layout for _, layout in f32.packs.values()] == ["q8_0_cols16"]
     assert "dpbusd(" not in "".join(PRINTERS["opencl"].kernel_source(k) for k in f32.kernels.values())

@@ -120,6 +120,8 @@ case("cast_i32_f32")(lambda c: c.out(c.b.cast(c.ints("x", (9,), 1000, -1000), dt
 # -- reductions ---------------------------------------------------------------------------
 for _dt in (F32, F16, BF16):
     case(f"rmsnorm_w_{_dt}", T=3)(lambda c, dt=_dt: c.out(c.b.rmsnorm(c.x("x", ("T", 2, 37)), c.w("w", (37,), dt), eps=1e-6)))
+case("rmsnorm_w_vector_rows", T=3)(  # rows of whole 16-wide vectors: the CPU's work-item per row
+    lambda c: c.out(c.b.rmsnorm(c.x("x", ("T", 2, 96)), c.w("w", (96,), F32), eps=1e-6)))
 case("rmsnorm_one_row_no_weight")(lambda c: c.out(c.b.rmsnorm(c.x("x", (1, 1000)), eps=1e-5)))
 case("l2norm", T=5)(lambda c: c.out(c.b.l2norm(c.x("x", ("T", 3, 16)), eps=1e-6)))
 case("softmax_last", T=3)(lambda c: c.out(c.b.softmax(c.x("x", ("T", 300), scale=5.0), axis=-1)))
@@ -184,6 +186,8 @@ for _t in (1, 6):  # K = 34 blocks: scale runs of 16 and a tail of two, Q8_0 x Q
 # 19 groups of 16 outputs: the CPU tiles' work-groups of 2 leave one work-item without a group,
 # which still shares the barriers around the block sums of x (the VNNI tiles')
 case("matmul_q8_0_q8_x_idle_work_item", T=20)(_specialised("matmul_q8_0", Q8, "gemv", False, True, 64, 19 * 16))
+case("quantize_q8_0_block_runs", T=2)(  # 40 blocks a row: on the CPU a run of 32 and one of 8
+    lambda c: c.out(c.b.op("quantize_q8_0", c.x("x", ("T", 1280), scale=4.0))))
 case("quantize_q8_0", T=5)(lambda c: c.out(c.b.op("quantize_q8_0", c.x("x", ("T", 3, 96), scale=4.0))))
 
 

@@ -27,7 +27,7 @@ from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import Q8_BLOCK, SIGMOID, Cols16Loads, Dp4Loads, q8_row_bytes, weight_at, weight_chunk
 from dflash_ir.quant import COLS_BLOCK_BYTES, DP4_TYPES, TILED_BLOCK_TYPES, cols16_layout
 from .fused import fused_matmul_parts
-from .reduce import inverse_rms, row_threads
+from .reduce import LANES, inverse_rms, inverse_rms_lanes, row_per_item, row_threads
 from .shapes import FLAT, cdiv, flat_launch, prod
 
 GEMV_ROWS = 16    # rows a GEMV work-group sums at once, looping over groups of them (passes/specialise_matmul)
@@ -136,6 +136,9 @@ def quantize_q8_0(ctx: NodeCtx) -> None:
     """A thread per 32-block; with the norm prologue a work-group per row, which first sums
     the row's squares as the rmsnorm kernel does (the same bits as rmsnorm then quantize)."""
     x_value = ctx.ins[0]
+    if row_per_item(ctx, x_value.type.shape[-1]) and (len(ctx.ins) == 1 or ctx.ins[1].type.dtype is DType.F32):
+        _quantize_rows(ctx, x_value.type.shape[-1])
+        return
     if ctx.attr.get("norm_eps") is None:
         total = prod(x_value.type.shape) / 32
         kb = ctx.kernel("quantize_q8_0", local=(FLAT,))
@@ -159,6 +162,43 @@ def quantize_q8_0(ctx: NodeCtx) -> None:
             return x[xr + b * 32 + e] * r * weight_at(w_value.type.dtype, w, const(0), b * 32 + e, n)
         _store_q8_block(kb, out, kb.let("blk", row * (n // 32) + b), normed)
     kb.launch([prod(x_value.type.shape[:-1])])
+
+
+QUANTIZE_RUN = 32  # CPU: Q8_0 blocks of a row one work-item quantises without a norm
+
+
+def _quantize_rows(ctx: NodeCtx, n: int) -> None:
+    """quantize_q8_0 with a work-item per row (reduce.row_per_item; without the norm, per run of
+    QUANTIZE_RUN blocks of a row), a block's 32 values as two vectors: the row's RMS (with the
+    norm) summed as the CPU's norms sum it, then each block as _store_q8_block makes it, from
+    the same values x * r * w."""
+    x_value, eps = ctx.ins[0], ctx.attr.get("norm_eps")
+    nb = n // 32
+    run = nb if eps is not None else min(nb, QUANTIZE_RUN)
+    runs = -(-nb // run)
+    kb = ctx.kernel("quantize_q8_0" if eps is None else "quantize_q8_0_norm", local=(1,))
+    x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)
+    w = None if eps is None else kb.bind("w", ctx.ins[1])
+    row, first = kb.let("row", kb.gid(0) / runs), kb.let("first", kb.gid(0) % runs * run)
+    xr = kb.let("xr", cast(I64, row) * n)
+    r = None if eps is None else inverse_rms_lanes(kb, x, xr, n, eps)
+    lanes = kb.array("lanes", F32, LANES)
+    with kb.loop("b", first, minimum(first + run, nb)) as b:
+        halves = []
+        for h in range(0, 32, LANES):
+            value = x.load(xr + b * 32 + h, lanes=LANES)
+            halves.append(kb.let(f"v{h}", value if r is None else value * r * w.load(b * 32 + h, lanes=LANES)))
+        kb.set(lanes.vec(0, LANES), maximum(call("fabs", halves[0]), call("fabs", halves[1])))
+        amax = kb.let("amax", 0.0)
+        with kb.loop("e", 0, LANES) as e:
+            kb.set(amax, maximum(amax, lanes[e]))
+        d = kb.let("d", amax / 127.0)
+        inv = kb.let("inv", select(d.ne(0.0), 1.0 / d, 0.0))
+        block = kb.let("blk", cast(I64, row) * nb + b)
+        out.store(block * (Q8_BLOCK // 2), d, "f16")
+        for h, value in zip(range(0, 32, LANES), halves):
+            out.store(block * Q8_BLOCK + 2 + h, cast(I32.vec(LANES), call("round", value * inv)), "u8")
+    kb.launch([prod(x_value.type.shape[:-1]) * runs])
 
 
 def _store_q8_block(kb: KernelSpec, out: Buffer, block: K, value: Callable[[K], K]) -> None:
@@ -554,7 +594,7 @@ def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0
     group = [minimum(u0 + p, t.units - 1) + (t.starts[1] if m else 0) for p, m in slots]
     base = [kb.let(f"wg{j}", cast(I64, g) * group_bytes(dtype, k)) for j, g in enumerate(group)]
     G = len(slots)
-    inv = [kb.let(f"inv{r}", _inverse_rms(kb, x, rows[r] * k, k, t.norm[1], r)) for r in range(R)] if t.norm else []
+    inv = [inverse_rms_lanes(kb, x, rows[r] * k, k, t.norm[1], name=f"ss{r}") for r in range(R)] if t.norm else []
     acc = {(r, j): kb.let(f"acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(G)}
     norm_at = None
     if t.norm:
@@ -805,15 +845,6 @@ def _dp4_tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, 
             dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
             for j in range(len(groups)):
                 kb.set(acc[r, j], call("fma", cast(V, dot[r, j]), scale[j] * dx, acc[r, j]))
-
-
-def _inverse_rms(kb: KernelSpec, x: Buffer, start: K, k: int, eps: float, r: int) -> K:
-    """1 / sqrt(mean(x²) + eps) of the k values of x from `start`, summed 16 lanes wide."""
-    ss = kb.let(f"ss{r}", cast(F32.vec(COLS), 0.0))
-    with kb.loop("c", 0, k, COLS) as c:
-        v = kb.let("xv", x.load(start + c, lanes=COLS))
-        kb.set(ss, call("fma", v, v, ss))
-    return 1.0 / call("sqrt", vsum(ss) / float(k) + float(eps))
 
 
 def _store_tiles(kb: KernelBuilder, t: Tiled, M: K, R: int, r0: K, u0: K, slots, acc, inv, bufs) -> None:

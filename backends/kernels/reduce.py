@@ -1,18 +1,39 @@
 """Reductions: row-wise norms and softmax (a work-group per row, tree reduction in local
 memory), argmax (a work-group per row), top-k (a thread per row: k is small), and sum
-(a thread per output, Kahan-compensated in f32)."""
+(a thread per output, Kahan-compensated in f32). On a CPU that keeps vectors the norms and
+argmax take a work-item per row instead (row_per_item)."""
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 
-from ..kir import F32, I32, I64, K, call, cast, const, maximum, select, var
+from ..kir import F32, I32, I64, K, call, cast, const, maximum, select, var, vsum
 from ..lowering import NodeCtx, dim, lowers
 from . import access
 from .shapes import FLAT, cdiv, flat_index, flat_launch, pow2_threads, prod
 
 
+LANES = 16  # CPU: elements of a row one work-item takes at once (a 512-bit vector of f32)
+
+
 def row_threads(n) -> int:
     return pow2_threads(n) if isinstance(n, int) else 256
+
+
+def row_per_item(ctx: NodeCtx, n) -> bool:
+    """Whether a row-wise kernel runs a work-item per row, LANES elements at a time: on a CPU
+    that keeps vectors (PoCL), where a work-group's tree pays barriers that cost more than the
+    row (argmax over 16 x 32768: 1.1 ms against 0.07), for rows a whole number of vectors."""
+    return ctx.profile == "cpu" and ctx.row_streams > 1 and isinstance(n, int) and n % LANES == 0
+
+
+def inverse_rms_lanes(kb, x, xr: K, n: int, eps: float, mean: bool = True, name: str = "ss") -> K:
+    """inverse_rms of the row at xr summed by one work-item LANES wide (row_per_item): on the
+    CPU every kernel that normalises a row (norms, norm-fed quantisation and tiles) sums so."""
+    ss = kb.let(name, cast(F32.vec(LANES), 0.0))
+    with kb.loop("c", 0, n, LANES) as c:
+        v = kb.let("xv", x.load(xr + c, lanes=LANES))
+        kb.set(ss, call("fma", v, v, ss))
+    return kb.let(f"{name}_r", 1.0 / call("sqrt", (vsum(ss) / float(n) if mean else vsum(ss)) + float(eps)))
 
 
 def inverse_rms(kb, x, xr: K, n: K, threads: int, eps: float, mean: bool = True) -> K:
@@ -31,10 +52,13 @@ def inverse_rms(kb, x, xr: K, n: K, threads: int, eps: float, mean: bool = True)
 def _norm(ctx: NodeCtx, mean: bool) -> None:
     x_value = ctx.ins[0]
     n = x_value.type.shape[-1]
+    w_value = ctx.ins[1] if len(ctx.ins) > 1 else None
+    if row_per_item(ctx, n) and (w_value is None or w_value.type.dtype is DType.F32):
+        _norm_rows(ctx, n, mean)
+        return
     L, N = row_threads(n), dim(n)
     kb = ctx.kernel(ctx.node.op, local=(L,))
     x = kb.bind("x", x_value)
-    w_value = ctx.ins[1] if len(ctx.ins) > 1 else None
     w = kb.bind("w", w_value) if w_value else None
     out = kb.bind("out", ctx.outs[0], writes=True)
     row, lid = kb.let("row", kb.gid(0)), kb.let("lid", kb.lid(0))
@@ -43,6 +67,21 @@ def _norm(ctx: NodeCtx, mean: bool) -> None:
     with kb.loop("k", lid, N, L) as k:
         value = x[xr + k] * r
         out[xr + k] = value * access.weight_at(w_value.type.dtype, w, const(0), k, n) if w else value
+    kb.launch([prod(x_value.type.shape[:-1])])
+
+
+def _norm_rows(ctx: NodeCtx, n: int, mean: bool) -> None:
+    """_norm with a work-item per row (row_per_item): the same products, x * r * w."""
+    x_value, w_value = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
+    kb = ctx.kernel(ctx.node.op, local=(1,))
+    x = kb.bind("x", x_value)
+    w = kb.bind("w", w_value) if w_value else None
+    out = kb.bind("out", ctx.outs[0], writes=True)
+    xr = kb.let("xr", cast(I64, kb.gid(0)) * n)
+    r = inverse_rms_lanes(kb, x, xr, n, ctx.attr["eps"], mean)
+    with kb.loop("k", 0, n, LANES) as k:
+        value = x.load(xr + k, lanes=LANES) * r
+        out.store(xr + k, value * w.load(k, lanes=LANES) if w else value)
     kb.launch([prod(x_value.type.shape[:-1])])
 
 
@@ -94,7 +133,6 @@ def softmax(ctx: NodeCtx) -> None:
     kb.launch([prod(shape[:a] + shape[a + 1:])])
 
 
-ARGMAX_LANES = 16  # CPU: elements of a row compared at once
 
 
 @lowers("argmax")
@@ -104,7 +142,7 @@ def argmax(ctx: NodeCtx) -> None:
     keeps vectors, one work-item per row instead (_argmax_lanes)."""
     x_value = ctx.ins[0]
     n = x_value.type.shape[-1]
-    if ctx.profile == "cpu" and ctx.row_streams > 1 and isinstance(n, int) and n >= ARGMAX_LANES:
+    if ctx.profile == "cpu" and ctx.row_streams > 1 and isinstance(n, int) and n >= LANES:
         _argmax_lanes(ctx, n)
         return
     L, N = row_threads(n), dim(n)
@@ -133,12 +171,12 @@ def argmax(ctx: NodeCtx) -> None:
 
 
 def _argmax_lanes(ctx: NodeCtx, n: int) -> None:
-    """A work-item per row keeps each of ARGMAX_LANES lanes' first maximum over the row's
+    """A work-item per row keeps each of LANES lanes' first maximum over the row's
     elements at that lane's positions (a strictly greater value replaces it), then takes the
     lanes' best, the lowest index on ties, then the elements past the last whole vector: the
     first maximum, as numpy's. A work-group of threads pays the tree's barriers per row,
     which on a CPU cost more than the row (16 rows of 32768: 1.1 ms against ~0.1)."""
-    x_value, lanes = ctx.ins[0], ARGMAX_LANES
+    x_value, lanes = ctx.ins[0], LANES
     main = n - n % lanes
     kb = ctx.kernel("argmax", local=(1,))
     x, out = kb.bind("x", x_value), kb.bind("out", ctx.outs[0], writes=True)

@@ -223,6 +223,8 @@ static inline float round_f16(float v) {
         raise ValueError(f"no {lanes}-wide {view} view of a {p.ctype} buffer")
 
     def store(self, p: Param, view: str, index: str, value: str, lanes: int) -> str:
+        if lanes > 1 and view in ("u8", "i8") and p.ctype == "u8":  # values that fit a signed byte
+            return f"vstore{lanes}(convert_char{lanes}({value}), 0, {self._typed(p, 'char')} + ({index}))"
         if lanes > 1:
             if view != "f32":
                 raise ValueError(f"no {lanes}-wide {view} store")

@@ -152,6 +152,21 @@ def test_cpu_profile_reads_q8_0_weights_packed_once(opencl, tmp_path, numerics):
     assert list(program._resident) == [f"table@{layout}"]
 
 
+@pytest.mark.parametrize("name", ["quantize_q8_0_norm", "quantize_q8_0_block_runs", "rmsnorm_w_vector_rows"])
+@pytest.mark.parametrize("row_streams", [4, 1])
+def test_cpu_row_kernels_take_a_work_item_per_row_where_vectors_are_kept(name, row_streams):
+    """PoCL (row_streams > 1): the norms and the quantisation of x run a work-item per row (a
+    run of blocks, without a norm) taking 16 lanes at a time, no barrier; lavapipe keeps the
+    work-groups (a tree per row where there is a norm)."""
+    from dflash_ir.backends.kir.ir import walk
+    from dflash_ir.backends.lowering import lower
+
+    plan = lower(CASES[name].build().b.build(), "cpu", row_streams=row_streams)
+    (kernel,) = plan.kernels.values()
+    assert (kernel.local == (1, 1, 1)) == (row_streams > 1)
+    assert not any(n.op in ("barrier", "wg_reduce") for n in walk(kernel.body)) or row_streams == 1
+
+
 @pytest.mark.parametrize("row_streams, local", [(4, (1, 1, 1)), (1, (64, 1, 1))])
 def test_cpu_argmax_takes_a_row_per_work_item_where_vectors_are_kept(row_streams, local):
     """PoCL (row_streams > 1): a work-item per row comparing 16 lanes at a time, no barrier;

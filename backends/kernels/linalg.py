@@ -134,7 +134,9 @@ class Gemv:
 @lowers("quantize_q8_0")
 def quantize_q8_0(ctx: NodeCtx) -> None:
     """A thread per 32-block; with the norm prologue a work-group per row, which first sums
-    the row's squares as the rmsnorm kernel does (the same bits as rmsnorm then quantize)."""
+    the row's squares as the rmsnorm kernel does (the same bits as rmsnorm then quantize).
+    On a CPU that keeps vectors a work-item per row or run of blocks (_quantize_rows), whose
+    norm sums as that profile's rmsnorm does."""
     x_value = ctx.ins[0]
     if row_per_item(ctx, x_value.type.shape[-1]) and (len(ctx.ins) == 1 or ctx.ins[1].type.dtype is DType.F32):
         _quantize_rows(ctx, x_value.type.shape[-1])
@@ -618,8 +620,8 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first element): exact
     integer block sums, scaled by both scales; with `dp4` (the weights in the dp4 layout) the
     integer sums are VPDPBUSD's (_dp4_tile_sums, from x's block sums `x_sums`), the same
-    integers. Another block `dtype`
-    (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, `block_span` elements
+    integers. Another block `dtype` (quant.pack_blocks_cols16's layout) is decoded by
+    _block_tile_sums, `block_span` elements
     at a time unrolled (the lowering's, for a decode's product; 0: a loop); with `q8_x` by
     _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack."""
     V = F32.vec(COLS)

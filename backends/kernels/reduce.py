@@ -133,8 +133,6 @@ def softmax(ctx: NodeCtx) -> None:
     kb.launch([prod(shape[:a] + shape[a + 1:])])
 
 
-
-
 @lowers("argmax")
 def argmax(ctx: NodeCtx) -> None:
     """A work-group per row: each thread's first maximum, then a tree over (value, index)

@@ -254,6 +254,8 @@ case("fused_matmul_swiglu_q5_0_q8_x", T=9)(_fused_matmul(DType.Q5_0, (40, 40), F
 for _dt in (F16, Q8):
     case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
         c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))
+case("expert_matmul_q4_0", T=5)(lambda c: c.out(c.b.expert_matmul(
+    c.x("x", ("T", 64)), c.w("w", (6, 40, 64), DType.Q4_0), c.ints("ids", ("T", 2), 6))))
 case("expert_matmul_per_slot", T=3)(lambda c: c.out(c.b.expert_matmul(
     c.x("x", ("T", 2, 32)), c.w("w", (4, 64, 32), Q8), c.ints("ids", ("T", 2), 4))))
 # 37 rows: three chunks of the CPU tiles, each expert chosen by many rows (tiles of 4, 2 and 1 rows)
@@ -475,8 +477,9 @@ case("fused_attention_prefill_window_copy", T=9, C=24)(
 
 
 def _fused_moe(e: int, k: int, f: int, fs: int, w: int = 64, router: DType = F16, gate_2d: bool = False,
-               ties: bool = False, dt: DType = Q8):
-    """A MoE block: e experts of width f (shared expert fs), top-k, expert weights `dt`. `ties`:
+               ties: bool = False, dt: DType = Q8, down_dt: DType | None = None):
+    """A MoE block: e experts of width f (shared expert fs), top-k, expert weights `dt` (the
+    down projections `down_dt`, default the same). `ties`:
     integer x and router rows, each repeated (expert i + e/2 = expert i), so logits tie exactly
     and top-k keeps the lower index first; `gate_2d`: the shared expert's gate weight as [1, H]."""
     def make(c: CaseBuilder) -> None:
@@ -486,8 +489,9 @@ def _fused_moe(e: int, k: int, f: int, fs: int, w: int = 64, router: DType = F16
             rows = c.rng.integers(-1, 2, (e // 2, w)).astype(np.float32)
             c.weights["router"] = quantize(np.concatenate([rows, rows]), router)
         c.out(c.b.fused_moe(x, router_w, c.w("gate_exps", (e, f, w), dt), c.w("up_exps", (e, f, w), dt),
-                            c.w("down_exps", (e, w, f), dt), c.w("sh_gate", (fs, w), dt), c.w("sh_up", (fs, w), dt),
-                            c.w("sh_down", (w, fs), dt), c.w("sh_gate_inp", (1, w) if gate_2d else (w,)), k=k))
+                            c.w("down_exps", (e, w, f), down_dt or dt), c.w("sh_gate", (fs, w), dt),
+                            c.w("sh_up", (fs, w), dt), c.w("sh_down", (w, fs), down_dt or dt),
+                            c.w("sh_gate_inp", (1, w) if gate_2d else (w,)), k=k))
     return make
 
 
@@ -502,6 +506,9 @@ case("fused_moe_ragged", T=5)(_fused_moe(6, 2, 96, 32, w=96, router=BF16))
 case("fused_moe_many_rows", T=37)(_fused_moe(4, 2, 32, 32))
 case("fused_moe_mxfp4", T=5)(_fused_moe(4, 2, 32, 32, dt=DType.MXFP4))  # MXFP4 experts, as MoE uploads ship them
 case("fused_moe_f16_experts", T=5)(_fused_moe(8, 3, 32, 32, dt=F16))  # no fused kernel: the parts' kernels
+# llama-quantize's Q4_K_M banks: Q4_K gate/up, Q6_K down (the CPU tiles decode each); a 32-block type, ragged
+case("fused_moe_q4_k_m", T=6)(_fused_moe(4, 2, 256, 256, w=256, router=F32, dt=DType.Q4_K, down_dt=DType.Q6_K))
+case("fused_moe_q5_1_ragged", T=9)(_fused_moe(6, 2, 96, 32, w=96, dt=DType.Q5_1))
 
 
 # -- running ------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ padded to whole groups of 16 outputs: an expert's rows are a contiguous run of g
 `Bank`). A fused layer packs its shared expert after the bank, as expert number E with its own
 width, so the kernels treat it as one more expert, the one every row selects in slot k.
 
-fused_moe with Q8_0 experts is three kernels on the CPU profile:
+fused_moe is three kernels on the CPU profile where each kernel's experts share a type the
+tiles read (Q8_0 or one of quant.TILED_BLOCK_TYPES: the K-quants llama-quantize gives MoE
+banks, decoded lane-wise as in the dense tiles; gate and up, and down, may differ):
 
     moe_route  a work-group per row: the router logits, softmax, top-k (ties to the lower
                index), the top-k probabilities renormalised, and sigmoid(x · shexp_gate_inp)
@@ -13,11 +15,11 @@ fused_moe with Q8_0 experts is three kernels on the CPU profile:
     moe_up     every (row, slot) pair: silu(x · gate_e) * (x · up_e) * weight: act [T, k + 1, F]
     moe_down   every row: the sum over its slots, in slot order, of down_e · act
 
-and four on the GPU profile, where the router product is the GEMV (or GEMM) launch before
+and, with Q8_0 experts, four on the GPU profile, where the router product is the GEMV (or GEMM) launch before
 moe_route: a work-group per row computing E dot products of H would leave the GPU idle (on a
 CPU, one work-item per row reading four router rows at once was faster than a launch of its
 own: 0.32 against 0.40 ms for the 35B-A3B's 256 x 2048 f32 router from memory, one row; one
-row at a time, 0.36). Other expert dtypes: the parts' kernels (fused.py).
+row at a time, 0.36). Other expert dtypes or mixes: the parts' kernels (fused.py).
 
 CPU schedule of the expert products (`_expert_tiles`): register tiles as the dense products'
 (linalg.tile_sums). A work-item owns a few groups of 16 outputs and a chunk of CHUNK rows;
@@ -38,7 +40,7 @@ from typing import Callable
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
-from dflash_ir.quant import COLS_BLOCK_BYTES
+from dflash_ir.quant import COLS_BLOCK_BYTES, cols16_layout
 from dflash_ir.types import TensorType
 
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, maximum, minimum, select, vsum
@@ -46,7 +48,7 @@ from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import SIGMOID, weight_at
 from .fused import fused_moe_parts
-from .linalg import COLS, ROWWISE_COLS, Gemv, _gemv, _rowwise, rowwise_groups, tile_sums
+from .linalg import COLS, ROWWISE_COLS, Gemv, _gemv, _rowwise, group_bytes, rowwise_groups, tile_sums, tiled
 from .shapes import cdiv, pow2_threads, prod
 
 CHUNK = 16          # rows whose pairs a CPU work-item groups by expert
@@ -62,16 +64,28 @@ def _groups(n: int) -> int:
     return -(-n // COLS)
 
 
+def tiled_type(weights: list[Value]) -> DType | None:
+    """The type the CPU tiles read all of `weights` in (one pack's, or one kernel's), or None
+    where they differ or the tiles take no products of it."""
+    types = {w.type.dtype for w in weights}
+    return types.pop() if len(types) == 1 and tiled(weights[0]) else None
+
+
 @dataclass(frozen=True)
 class Bank:
-    """Q8_0 expert weights in one quant.pack_q8_0_cols16 pack: `experts` matrices of n outputs
-    x k inputs, each padded to whole groups of 16 outputs, then the shared expert (`shared`:
-    its outputs and inputs), if any, as expert number `experts`."""
+    """Expert weights in one pack for the tiles (quant.cols16_layout of `dtype`): `experts`
+    matrices of n outputs x k inputs, each padded to whole groups of 16 outputs, then the
+    shared expert (`shared`: its outputs and inputs), if any, as expert number `experts`."""
 
     experts: int
     n: int
     k: int
     shared: tuple[int, int] | None = None
+    dtype: DType = DType.Q8_0
+
+    @property
+    def layout(self) -> str:
+        return cols16_layout(self.dtype)
 
     @property
     def units(self) -> int:
@@ -95,15 +109,16 @@ class Bank:
         return self._pick(e, self.n, self.shared[0] if self.shared else 0)
 
     def blocks(self, e: K) -> K | int:
-        return self._pick(e, self.k // 32, self.shared[1] // 32 if self.shared else 0)
+        size = self.dtype.block_size
+        return self._pick(e, self.k // size, self.shared[1] // size if self.shared else 0)
 
     def group_at(self, e: K, u: K) -> K:
         """Byte of expert e's group u in the pack."""
-        routed = (cast(I64, e) * _groups(self.n) + u) * (self.k // 32 * COLS_BLOCK_BYTES)
+        routed = (cast(I64, e) * _groups(self.n) + u) * group_bytes(self.dtype, self.k)
         if self.shared is None:
             return routed
-        bank = self.experts * _groups(self.n) * (self.k // 32 * COLS_BLOCK_BYTES)
-        return select(e.eq(self.experts), bank + cast(I64, u) * (self.shared[1] // 32 * COLS_BLOCK_BYTES), routed)
+        bank = self.experts * _groups(self.n) * group_bytes(self.dtype, self.k)
+        return select(e.eq(self.experts), bank + cast(I64, u) * group_bytes(self.dtype, self.shared[1]), routed)
 
 
 @dataclass(frozen=True)
@@ -185,7 +200,7 @@ def _expert_tiles(ctx: NodeCtx, op: str, job: Products, per: int,
         groups = [(w, kb.let(f"{pre}wg{p}_{m}", bank.group_at(ex, minimum(u0 + p, units - 1))))
                   for p in range(per) for m, w in enumerate(ws)]
         acc = {(r, j): kb.let(f"{pre}acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(len(groups))}
-        tile_sums(kb, groups, nb, acc, R, lambda r, i: xb[xo[r] + i])
+        tile_sums(kb, groups, nb, acc, R, lambda r, i: xb[xo[r] + i], dtype=bank.dtype)
         for r in range(R):
             for p in range(per):
                 with kb.if_(u0 + p < units):
@@ -281,9 +296,11 @@ def _swiglu(g: K, up: K) -> K:
 # -- fused_moe ------------------------------------------------------------------------------
 @lowers("fused_moe")
 def fused_moe(ctx: NodeCtx) -> None:
-    """Q8_0 experts: the kernels of the module docstring; other dtypes: the parts' kernels."""
+    """The kernels of the module docstring where the experts' types allow; else the parts'."""
     x, router_w, gate_exps, up_exps, down_exps, sh_gate, sh_up, sh_down, gate_inp = ctx.ins
-    if any(w.type.dtype is not DType.Q8_0 for w in (gate_exps, up_exps, down_exps, sh_gate, sh_up, sh_down)):
+    cpu = ctx.profile == "cpu"
+    up_type, down_type = tiled_type([gate_exps, up_exps, sh_gate, sh_up]), tiled_type([down_exps, sh_down])
+    if not (up_type and down_type) or not cpu and {up_type, down_type} != {DType.Q8_0}:
         fused_moe_parts(ctx)
         return
     k = ctx.attr["k"]
@@ -292,16 +309,15 @@ def fused_moe(ctx: NodeCtx) -> None:
     Fs = sh_gate.type.shape[0]
     pairs = Pairs(k, shared=E)
     S, Fx = pairs.slots, max(F, Fs)
-    cpu = ctx.profile == "cpu"
     ids = ctx.temp(TensorType(DType.I32, (T, k)))
     weights = ctx.temp(TensorType(DType.F32, (T, S)))
     _route(ctx, x, router_w if cpu else ctx.sub("matmul", x, router_w), gate_inp, ids, weights, k, inline=cpu)
 
     act = ctx.temp(TensorType(DType.F32, (T, S, Fx)))
-    up_bank, down_bank = Bank(E, F, H, (Fs, H)), Bank(E, H, F, (H, Fs))
-    up_packs = {"gate": ctx.packed([gate_exps, sh_gate], "q8_0_cols16"),
-                "up": ctx.packed([up_exps, sh_up], "q8_0_cols16")}
-    down_pack = {"down": ctx.packed([down_exps, sh_down], "q8_0_cols16")}
+    up_bank, down_bank = Bank(E, F, H, (Fs, H), up_type), Bank(E, H, F, (H, Fs), down_type)
+    up_packs = {"gate": ctx.packed([gate_exps, sh_gate], up_bank.layout),
+                "up": ctx.packed([up_exps, sh_up], up_bank.layout)}
+    down_pack = {"down": ctx.packed([down_exps, sh_down], down_bank.layout)}
 
     def x_row(pair: K) -> K:
         return cast(I64, pair / S) * H
@@ -454,17 +470,17 @@ def _router_logits(kb: KernelSpec, x: Buffer, xr: K, w: Buffer, dtype: DType, E:
 @lowers("expert_matmul")
 def expert_matmul(ctx: NodeCtx) -> None:
     """out[t, s] = x[t] (or x[t, s]) @ w[ids[t, s]]ᵀ, reading only the selected experts' rows.
-    CPU profile, Q8_0: the expert tiles (as fused_moe's); GPU profile, a GEMV work-group per
-    (output column block, pair) on the weights as stored; CPU profile, other dtypes: the
-    rowwise schedule, a pair per work-item."""
+    CPU profile, a type the tiles read: the expert tiles (as fused_moe's); GPU profile, a GEMV
+    work-group per (output column block, pair) on the weights as stored; CPU profile, other
+    dtypes: the rowwise schedule, a pair per work-item."""
     x_value, w_value, ids_value = ctx.ins
     out_value = ctx.outs[0]
     E, n, k = w_value.type.shape
     T, slots = ids_value.type.shape
     per_slot = x_value.type.rank != 2
     ctx.check("index", ids_value, size=E)
-    if ctx.profile == "cpu" and w_value.type.dtype is DType.Q8_0 and isinstance(slots, int):
-        bank, pairs = Bank(E, n, k), Pairs(slots)
+    if ctx.profile == "cpu" and tiled(w_value) and isinstance(slots, int):
+        bank, pairs = Bank(E, n, k, dtype=w_value.type.dtype), Pairs(slots)
 
         def xrow(pair: K) -> K:
             return cast(I64, pair if per_slot else pair / slots) * k
@@ -478,7 +494,7 @@ def expert_matmul(ctx: NodeCtx) -> None:
             def write(lane, v):
                 bufs["out"][at + lane] = v[0]
             _lanes_out(kb, sums, n - unit * COLS, write)
-        job = Products(x_value, xrow, {"w": ctx.packed([w_value], "q8_0_cols16")}, bank, ids_value, pairs, {},
+        job = Products(x_value, xrow, {"w": ctx.packed([w_value], bank.layout)}, bank, ids_value, pairs, {},
                        {"out": out_value}, store)
         _expert_tiles(ctx, "expert_matmul_tiles", job, DOWN_UNITS)
         return

@@ -70,7 +70,9 @@ REAL_MODELS = {"qwen35-9b": ("qwen35-9b", "Q8_0"), "qwen35-9b-q4_k_m": ("qwen35-
 def real_model(name: str, *, progress: Callable[[str], None] = lambda msg: None) -> BenchModel:
     """A real-size pair (`REAL_MODELS`), generated into the cache on first use: the Q8_0 target
     and draft by the generator (minutes, one tensor in memory at a time), another target type
-    by llama.cpp's quantizer from the Q8_0 one (llama-cpp-python needed)."""
+    by llama.cpp's quantizer from the Q8_0 one (llama-cpp-python needed). The Q8_0 source is
+    made only while the target it is quantised to is missing, so it may be deleted after (the
+    35B-A3B's is 37 GB)."""
     from dflash_ir.models.generator import real_configs, write_draft, write_target
 
     from .peer import peer_unavailable, quantize, usable_cpus
@@ -80,13 +82,13 @@ def real_model(name: str, *, progress: Callable[[str], None] = lambda msg: None)
     q8, draft = folder / "target-q8_0.gguf", folder / "dflash-q8_0.gguf"
     tcfg, dcfg = real_configs(shape)
     folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"target-{preset.lower()}.gguf"
     for path, write in ((draft, lambda p: write_draft(p, dcfg, target_cfg=tcfg, dtype="q8_0", seed=1)),
                         (q8, lambda p: write_target(p, tcfg, dtype="q8_0", seed=0))):
-        if not path.is_file():
+        if not path.is_file() and not (path == q8 and target.is_file()):
             progress(f"generating {path} (random weights at {shape}'s shape, once)")
             write(path.with_suffix(".tmp"))
             path.with_suffix(".tmp").rename(path)
-    target = folder / f"target-{preset.lower()}.gguf"
     if not target.is_file():
         if reason := peer_unavailable():
             raise RuntimeError(f"{name}: making its {preset} target needs llama.cpp's quantizer: {reason}")

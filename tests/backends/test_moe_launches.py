@@ -37,10 +37,23 @@ def test_a_moe_layer_is_three_kernels_on_cpu_and_four_on_gpu(pair, profile, name
         assert packed == banks and {plan.packs[v][1] for v in bound if v in plan.packs} == {"q8_0_cols16"}
 
 
-def test_cpu_expert_matmul_is_the_expert_tiles():
-    graph = CASES["expert_matmul_q8_0"].build().b.build()
-    plan = lower(graph, "cpu")
+@pytest.mark.parametrize("name, layout", [("expert_matmul_q8_0", "q8_0_cols16"), ("expert_matmul_q4_0", "q4_0_cols16")])
+def test_cpu_expert_matmul_is_the_expert_tiles(name, layout):
+    plan = lower(CASES[name].build().b.build(), "cpu")
     assert {k.op for k in plan.kernels.values()} == {"expert_matmul_tiles"}
-    assert list(plan.packs.values()) == [(("w",), "q8_0_cols16")]
+    assert list(plan.packs.values()) == [(("w",), layout)]
     assert {k.op for k in lower(CASES["expert_matmul_f16"].build().b.build(), "cpu").kernels.values()} == \
         {"expert_matmul_rows"}
+
+
+def test_a_q4_k_m_moe_layer_is_the_three_cpu_kernels_on_each_banks_own_type():
+    """llama-quantize's Q4_K_M banks (Q4_K gate/up, Q6_K down) take the fused CPU kernels, each
+    bank packed in its type's tile layout; the GPU profile's expert kernels read Q8_0 only,
+    so there the layer is its parts."""
+    graph = CASES["fused_moe_q4_k_m"].build().b.build()
+    plan = lower(graph, "cpu")
+    assert [k.op for k in plan.kernels.values()] == LAUNCHES["cpu"]
+    assert sorted(plan.packs.values()) == [(("down_exps", "sh_down"), "q6_k_cols16"),
+                                           (("gate_exps", "sh_gate"), "q4_k_cols16"),
+                                           (("up_exps", "sh_up"), "q4_k_cols16")]
+    assert "moe_up" not in {k.op for k in lower(graph, "gpu").kernels.values()}

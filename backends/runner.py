@@ -406,37 +406,32 @@ class DeviceProgram:
 
     def launch_times(self, inputs: Mapping[str, np.ndarray], states: Mapping[str, np.ndarray] | None = None,
                      repeats: int = 3) -> list[tuple[str, tuple[int, ...], float]]:
-        """(kernel, work-groups, seconds) of each launch of a call with these inputs: what the
-        call's first k launches cost over its first k-1, each prefix replayed on freshly bound
-        inputs and timed to the device's finish (the fastest of `repeats`). A launch is so
-        priced where the call runs it, with the caches its predecessors leave and its own
-        launch overhead, and the figures add up to the replay of the whole list. In-place
-        updates (KV caches, recurrent states) are applied once per replay: what the calls
-        leave is not for keeping."""
+        """(kernel, work-groups, seconds) of each launch of a call with these inputs, in plan
+        order: each launched alone once its predecessors have finished and timed to the
+        device's finish, less what a wait with nothing pending takes; the fastest of `repeats`
+        replays on freshly bound inputs. A launch is so priced where the call runs it, with
+        the caches its predecessors leave and its own launch overhead, and no price holds
+        another launch's time (differences of whole-prefix timings did: their jitter moved
+        milliseconds between neighbours). In-place updates (KV caches, recurrent states) are
+        applied once per replay: what the calls leave is not for keeping."""
         bindings, env, sized = self._prepare(inputs, states)
         self._check_plan(bindings)
         launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)
-        prepare = getattr(self.device, "prepare", None)
         wait = self._waiter(sized)
-
-        def fastest(count: int) -> float:
-            head = launches[:count]
-            replay = (prepare(head) if callable(prepare) else functools.partial(_launch_each, self.device, head)) \
-                if head else (lambda: None)
-            best = float("inf")
-            for attempt in range(repeats + 1):  # the first replay captures or builds
-                self._prepare(inputs, states)  # a replay may have overwritten an input's slot
-                wait()
+        idle, best = float("inf"), [float("inf")] * len(launches)
+        for attempt in range(repeats + 1):  # the first replay builds what a first launch builds
+            self._prepare(inputs, states)  # a replay may have overwritten an input's slot
+            wait()
+            t0 = time.perf_counter()
+            wait()
+            idle = min(idle, time.perf_counter() - t0)
+            for i, launch in enumerate(launches):
                 t0 = time.perf_counter()
-                replay()
+                _launch_each(self.device, [launch])
                 wait()
                 if attempt:
-                    best = min(best, time.perf_counter() - t0)
-            return best
-
-        totals = [fastest(count) for count in range(len(launches) + 1)]
-        return [(kernel, groups, after - before)
-                for (kernel, groups, _, _), before, after in zip(launches, totals, totals[1:])]
+                    best[i] = min(best[i], time.perf_counter() - t0)
+        return [(kernel, groups, seconds - idle) for (kernel, groups, _, _), seconds in zip(launches, best)]
 
 
 class _Sized:

@@ -117,12 +117,34 @@ class OpenCLPrinter(CPrinter):
     scalar_names = {"f32": "float", "i16": "short", "i32": "int", "u32": "uint", "i64": "long", "bool": "bool"}
     element_names = {"f32": "float", "i32": "int", "i64": "long", "u8": "uchar", "u16": "ushort"}
     # OpenCL C has no int8 dot product in its core, no f16 arithmetic without cl_khr_fp16,
-    # and PoCL converts f16 one value at a time in vload_half: these are exact replacements
+    # and PoCL converts f16 one value at a time in vload_half, in integer steps: these are
+    # exact replacements (x86's own instructions where the device compiler targets them)
     runtime = """
 static inline int dot4_i8(int a, int b, int acc) {
   return acc + (int)(char)a * (int)(char)b + (int)(char)(a >> 8) * (int)(char)(b >> 8)
        + (int)(char)(a >> 16) * (int)(char)(b >> 16) + (a >> 24) * (b >> 24);
 }
+#if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__))  /* every AVX-512 CPU has F16C */
+/* F16C's conversion by inline assembly (PoCL defines no __F16C__ for skylake-avx512), where
+   vload_half takes ~20 integer steps a value; a signalling NaN comes out quieted either way */
+static inline float f16_to_f32(uint h) {
+  float r;
+  __asm__("vmovd %1, %0; vcvtph2ps %0, %0" : "=x"(r) : "r"(h));
+  return r;
+}
+#else
+static inline float f16_to_f32(uint h) {
+  ushort s = h;
+  return vload_half(0, (__private const half*)&s);
+}
+#endif
+#if defined(__x86_64__) && defined(__AVX512F__)
+static inline float16 f16x16_to_f32(ushort16 h) {
+  float16 r;
+  __asm__("vcvtph2ps %1, %0" : "=v"(r) : "v"(h));
+  return r;
+}
+#else
 static inline float16 f16x16_to_f32(ushort16 h) {
   uint16 u = convert_uint16(h), e = u & 0x7c00u, m = u & 0x3ffu, s = (u & 0x8000u) << 16;
   uint16 normal = s | (((u & 0x7fffu) + 0x1c000u) << 13);
@@ -130,6 +152,7 @@ static inline float16 f16x16_to_f32(ushort16 h) {
   uint16 special = s | 0x7f800000u | (m << 13);
   return as_float16(select(select(normal, small, e == 0u), special, e == 0x7c00u));
 }
+#endif
 #if defined(__x86_64__) && defined(__AVX512F__)
 /* VPDPBUSD by inline assembly: PoCL compiles for the CPU model the VM reports (skylake-avx512),
    which has the registers but not the instruction; lowering uses it only where the host has it */
@@ -201,7 +224,7 @@ static inline float round_f16(float v) {
         if view == "u16":
             return f"((int){self._typed(p, 'ushort')}[{index}])"
         if view == "f16":
-            return f"vload_half({index}, {self._typed(p, 'half')})"
+            return f"f16_to_f32({self._typed(p, 'ushort')}[{index}])"
         if view == "bf16":
             return f"as_float((uint){self._typed(p, 'ushort')}[{index}] << 16)"
         raise ValueError(f"no {view} view of a {p.ctype} buffer")

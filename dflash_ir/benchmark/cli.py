@@ -135,23 +135,24 @@ class Bench:
 
     def kernels(self, backends) -> None:
         self.say("\n== kernels ==")
+        by_name = {b.name: b for b in backends}
         for make in kernel_suite.default_cases(quick=self.args.quick):
             case = make()
-            for b in backends:
-                def measure(b=b, case=case):
-                    timing = time_calls(case.runner(b, self.work / "kernels" / b.name / case.graph.name),
-                                        budget_s=self.budget)
+            for name, numerics, label in self.runs(backends):
+                def measure(b=by_name[name], numerics=numerics, label=label, case=case):
+                    folder = self.work / "kernels" / label.replace("/", "-") / case.graph.name
+                    timing = time_calls(case.runner(b, folder, numerics), budget_s=self.budget)
                     bandwidth = self.results.bandwidth(b.name)
-                    row = {"case": case.name, "family": case.family, "backend": b.name, "ms": timing.seconds * 1e3,
+                    row = {"case": case.name, "family": case.family, "backend": label, "ms": timing.seconds * 1e3,
                            "calls": timing.calls, "bytes": case.nbytes, "flops": case.flops,
                            "gbs": timing.rate(case.nbytes) / 1e9, "gflops": timing.rate(case.flops) / 1e9}
                     row["fraction_bw"] = row["gbs"] / bandwidth if bandwidth else None
                     return row
-                row = self.attempt(f"kernels/{b.name}/{case.name}", measure)
+                row = self.attempt(f"kernels/{label}/{case.name}", measure)
                 if row:
                     self.results.kernels.append(row)
                     share = f" ({row['fraction_bw']:.0%} of bw)" if row["fraction_bw"] else ""
-                    self.say(f"  {case.name:34s} {b.name:10s} {row['ms']:9.3f} ms {row['gbs']:7.2f} GB/s{share}"
+                    self.say(f"  {case.name:34s} {label:13s} {row['ms']:9.3f} ms {row['gbs']:7.2f} GB/s{share}"
                              f" {row['gflops']:8.1f} GFLOP/s")
             del case
 

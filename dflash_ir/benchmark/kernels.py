@@ -42,8 +42,8 @@ class KernelCase:
     nbytes: float = 0.0          # minimum bytes one call reads and writes
     flops: float = 0.0
 
-    def runner(self, backend, work_dir) -> Callable[[], object]:
-        return single_graph_runner(backend, self.graph, self.weights, self.inputs, self.states, work_dir)
+    def runner(self, backend, work_dir, numerics: str = "exact") -> Callable[[], object]:
+        return single_graph_runner(backend, self.graph, self.weights, self.inputs, self.states, work_dir, numerics)
 
 
 def random_q8_0(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:

@@ -30,9 +30,12 @@ from .measure import peak_rss
 INSTALL = "pip install llama-cpp-python (builds llama.cpp from source: ~10 min on 2 cores)"
 # llama.cpp built for this machine's x86-64 vector units without AMX (`make bench` uses it)
 PORTABLE_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON'
-                  '{avx512}" pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-python '
+                  '{extensions}" pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-python '
                   'llama-cpp-python')
-AVX512 = " -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+# ggml's options for the extensions past AVX2, each by the /proc/cpuinfo flag that must be there
+# (a Zen 4 has AVX-512 VNNI but not the VEX-coded AVX-VNNI: with it on, llama.cpp dies of SIGILL)
+EXTENSIONS = {"GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni",
+              "GGML_AVX512_BF16": "avx512_bf16", "GGML_AVX_VNNI": "avx_vnni"}
 PEER_TIMEOUT_S = 900
 
 
@@ -72,8 +75,11 @@ class PeerCrashed(RuntimeError):
 
 
 def portable_build_command() -> str:
-    """The llama-cpp-python rebuild for this CPU: AVX2, plus AVX-512 where /proc/cpuinfo has it, never AMX."""
-    return PORTABLE_BUILD.format(avx512=AVX512 if {"avx512f", "avx512_vnni", "avx512_bf16"} <= host_cpu_flags() else "")
+    """The llama-cpp-python rebuild for this CPU: AVX2, plus each extension of EXTENSIONS that
+    /proc/cpuinfo lists, never AMX."""
+    flags = host_cpu_flags()
+    return PORTABLE_BUILD.format(extensions="".join(f" -D{option}=ON" for option, flag in EXTENSIONS.items()
+                                                    if flag in flags))
 
 
 def run_llama_cpp(model_name: str, gguf: Path, prompt_ids: Sequence[int], max_tokens: int, *, n_ctx: int = 512,

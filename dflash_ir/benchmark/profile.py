@@ -2,12 +2,12 @@
 a verify of a whole block and the draft's block pass, of a bench pair compiled as the e2e
 suite compiles it.
 
-Each launch of one real call is priced as what the call's first k launches cost over its
-first k-1 (Program.launch_times: in place, with its launch overhead and the caches its
+Each launch of one real call is timed alone, in place: after its predecessors have finished,
+to the device's finish (Program.launch_times: with its launch overhead and the caches its
 predecessors leave), and the prices are summed per kernel family (the kernel's name without
-its hash). They add up to the replay of the whole launch list; beside it stands the call as
-generation runs it (inputs bound and uploaded, the list replayed, outputs left on the
-device): the difference is the host's work per call.
+its hash). Beside their sum stands the call as generation runs it (inputs bound and
+uploaded, the list replayed without waits, outputs left on the device): the host's work per
+call, less what launches overlap when nothing waits between them, is the difference.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class CallProfile:
 
     @property
     def launch_seconds(self) -> float:
-        """The replay of the whole launch list."""
+        """The launches' prices summed."""
         return sum(t for *_, t in self.launches)
 
     def families(self) -> list[tuple[str, int, float]]:

@@ -12,10 +12,11 @@ from dflash_ir.passes.pipeline import run_pipeline
 
 
 def single_graph_runner(backend, graph: Graph, weights: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray],
-                        states: Mapping[str, np.ndarray], work_dir: Path) -> Callable[[], object]:
+                        states: Mapping[str, np.ndarray], work_dir: Path, numerics: str = "exact") -> Callable[[], object]:
     """Inputs and states are uploaded once; each call launches every kernel and waits for the
-    device (kernel backends), or evaluates the graph (the interpreter)."""
-    graph = run_pipeline(graph, level=backend.default_opt_level)
+    device (kernel backends), or evaluates the graph (the interpreter). `numerics`: the
+    pipeline's mode, as dflash-compile's."""
+    graph = run_pipeline(graph, level=backend.default_opt_level, numerics=numerics)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     program = backend.load(graph, backend.compile(graph, work_dir), work_dir, lambda w: weights[w.tensor])

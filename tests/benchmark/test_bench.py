@@ -2,6 +2,7 @@
 the JSON, the markdown table and the plots with figures that hang together."""
 import argparse
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from dflash_ir.backends.base import get_backend
 from dflash_ir.benchmark import cli
 from dflash_ir.benchmark.kernels import Q8_BYTES, gemv_case, random_q8_0
 from dflash_ir.benchmark.models import synthetic_model
-from dflash_ir.benchmark.peer import PeerCrashed, peer_unavailable, run_llama_cpp
+from dflash_ir.benchmark.peer import PeerCrashed, peer_unavailable, portable_build_command, run_llama_cpp
 from dflash_ir.benchmark.tau import ScriptedDraft, TooSlow, run_tau_sweep
 from dflash_ir.dtypes import DType
 from dflash_ir.quant import dequantize
@@ -81,7 +82,7 @@ def test_quick_run_writes_consistent_json_markdown_and_plots(tmp_path):
     for k in r["kernels"]:
         assert k["gbs"] == pytest.approx(k["bytes"] / (k["ms"] / 1e3) / 1e9)
         # every backend here runs on the host CPU: the better of its own streams and the host's
-        bandwidth = max(l[f] for l in r["limits"] if l["backend"] in (k["backend"], "host")
+        bandwidth = max(l[f] for l in r["limits"] if l["backend"] in (k["backend"].split("/")[0], "host")
                         for f in ("copy_gbs", "triad_gbs"))
         assert k["fraction_bw"] == pytest.approx(k["gbs"] / bandwidth)
     runs = r["e2e"]
@@ -94,6 +95,29 @@ def test_quick_run_writes_consistent_json_markdown_and_plots(tmp_path):
     assert "verify-16 (decode steps)" in md
     for png in ("throughput.png", "roofline.png", "speedup_vs_tau.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kernels_run_in_each_numerics_mode_asked_for(tmp_path, monkeypatch):
+    """A kernel row is measured as dflash-compile would build it in that mode: q8 quantises
+    the product's activations, exact does not."""
+    if reason := get_backend("opencl").unavailable_reason():
+        pytest.skip(f"opencl: {reason}")
+    import dflash_ir.benchmark.programs as programs
+    built = []
+
+    def recording(graph, **kw):
+        out = run_pipeline(graph, **kw)
+        built.append((kw["numerics"], graph.name, {n.op for n in out.nodes}))
+        return out
+    run_pipeline = programs.run_pipeline
+    monkeypatch.setattr(programs, "run_pipeline", recording)
+    out = tmp_path / "out"
+    assert cli.main(["--quick", "-b", "opencl", "--suites", "kernels", "--numerics", "exact,q8", "-o", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["failures"] == []
+    assert [k["backend"] for k in r["kernels"]] == ["opencl", "opencl/q8"] * 5
+    products = [(numerics, "quantize_q8_0" in ops) for numerics, name, ops in built if "gem" in name]
+    assert products == [("exact", False), ("q8", True)] * 2
 
 
 def test_tau_lists_take_values_and_ranges_within_the_block():
@@ -124,6 +148,18 @@ def test_llama_cpp_greedy_tokens_equal_ours_on_the_synthetic_model(tmp_path):
         pytest.skip(str(e))
     assert theirs.tokens == ours.tokens
     assert theirs.prefill_tps > 0 and theirs.decode_tps > 0 and theirs.verify16_steps > 0
+
+
+@pytest.mark.parametrize("cpu, wanted, refused", [
+    ({"avx2", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16"},  # a Zen 4: no AVX-VNNI
+     {"GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"}, {"GGML_AVX_VNNI"}),
+    ({"avx2", "avx_vnni"}, {"GGML_AVX_VNNI"}, {"GGML_AVX512", "GGML_AVX512_VNNI"}),  # an Alder Lake
+    ({"avx2"}, set(), {"GGML_AVX512", "GGML_AVX_VNNI"})])
+def test_llama_cpp_rebuild_turns_on_only_the_extensions_the_cpu_lists(monkeypatch, cpu, wanted, refused):
+    import dflash_ir.benchmark.peer as peer
+    monkeypatch.setattr(peer, "host_cpu_flags", lambda: frozenset(cpu))
+    on = set(re.findall(r"-D(GGML_\w+)=ON", portable_build_command()))
+    assert wanted <= on and not refused & on and "GGML_NATIVE" not in on and not any("AMX" in o for o in on)
 
 
 def test_tau_suite_measures_every_acceptance_length_with_both_lengths(tmp_path):

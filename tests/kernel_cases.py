@@ -477,13 +477,13 @@ case("fused_attention_prefill_window_copy", T=9, C=24)(
 
 
 def _fused_moe(e: int, k: int, f: int, fs: int, w: int = 64, router: DType = F16, gate_2d: bool = False,
-               ties: bool = False, dt: DType = Q8, down_dt: DType | None = None):
+               ties: bool = False, dt: DType = Q8, down_dt: DType | None = None, tokens: int | str = "T"):
     """A MoE block: e experts of width f (shared expert fs), top-k, expert weights `dt` (the
-    down projections `down_dt`, default the same). `ties`:
+    down projections `down_dt`, default the same), x of `tokens` rows (1: a decode's). `ties`:
     integer x and router rows, each repeated (expert i + e/2 = expert i), so logits tie exactly
     and top-k keeps the lower index first; `gate_2d`: the shared expert's gate weight as [1, H]."""
     def make(c: CaseBuilder) -> None:
-        x, router_w = c.x("x", ("T", w)), c.w("router", (e, w), router)
+        x, router_w = c.x("x", (tokens, w)), c.w("router", (e, w), router)
         if ties:
             c.inputs["x"] = c.rng.integers(-2, 3, c.inputs["x"].shape).astype(np.float32)
             rows = c.rng.integers(-1, 2, (e // 2, w)).astype(np.float32)
@@ -508,6 +508,9 @@ case("fused_moe_mxfp4", T=5)(_fused_moe(4, 2, 32, 32, dt=DType.MXFP4))  # MXFP4 
 case("fused_moe_f16_experts", T=5)(_fused_moe(8, 3, 32, 32, dt=F16))  # no fused kernel: the parts' kernels
 # llama-quantize's Q4_K_M banks: Q4_K gate/up, Q6_K down (the CPU tiles decode each); a 32-block type, ragged
 case("fused_moe_q4_k_m", T=6)(_fused_moe(4, 2, 256, 256, w=256, router=F32, dt=DType.Q4_K, down_dt=DType.Q6_K))
+# a decode's (one row, fixed): the one-row expert tiles unroll the block (lowering.BLOCK_SPAN)
+case("fused_moe_q4_k_m_decode")(_fused_moe(4, 2, 256, 256, w=256, router=F32, dt=DType.Q4_K, down_dt=DType.Q6_K,
+                                           tokens=1))
 case("fused_moe_q5_1_ragged", T=9)(_fused_moe(6, 2, 96, 32, w=96, dt=DType.Q5_1))
 
 

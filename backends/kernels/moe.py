@@ -178,6 +178,7 @@ def _expert_tiles(ctx: NodeCtx, op: str, job: Products, per: int,
     S, T = pairs.slots, dim(job.ids.type.shape[0])
     n_experts = bank.experts + (pairs.shared is not None)
     V = F32.vec(COLS)
+    decode = job.ids.type.shape[0] == 1  # one row: its one-row tiles unroll their block types' elements
 
     u0 = kb.let("u0", (kb.gid(0) * ITEMS + kb.lid(0)) * per)
     kb.return_if(u0 >= bank.units)
@@ -200,7 +201,8 @@ def _expert_tiles(ctx: NodeCtx, op: str, job: Products, per: int,
         groups = [(w, kb.let(f"{pre}wg{p}_{m}", bank.group_at(ex, minimum(u0 + p, units - 1))))
                   for p in range(per) for m, w in enumerate(ws)]
         acc = {(r, j): kb.let(f"{pre}acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(len(groups))}
-        tile_sums(kb, groups, nb, acc, R, lambda r, i: xb[xo[r] + i], dtype=bank.dtype)
+        tile_sums(kb, groups, nb, acc, R, lambda r, i: xb[xo[r] + i], dtype=bank.dtype,
+                  block_span=ctx.block_span if R == 1 and decode else 0)
         for r in range(R):
             for p in range(per):
                 with kb.if_(u0 + p < units):

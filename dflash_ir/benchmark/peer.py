@@ -37,6 +37,9 @@ PORTABLE_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -D
 EXTENSIONS = {"GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni",
               "GGML_AVX512_BF16": "avx512_bf16", "GGML_AVX_VNNI": "avx_vnni"}
 PEER_TIMEOUT_S = 900
+# source bytes a second below which a quantisation counts as hung: the 35B-A3B's 37 GB Q8_0 took
+# 20 min (31 MB/s) on 2 cores, past the 900 s that bounds the other requests
+QUANTIZE_SLOWEST = 8e6
 
 
 @dataclass(frozen=True)
@@ -96,13 +99,13 @@ def run_llama_cpp_load(gguf: Path, *, n_ctx: int = 512) -> dict:
     return _child(dict(op="load", gguf=str(gguf), n_ctx=n_ctx), gguf)
 
 
-def _child(request: dict, gguf: Path) -> dict:
+def _child(request: dict, gguf: Path, timeout_s: float = PEER_TIMEOUT_S) -> dict:
     """Run one request (`op`: generate, load or quantize) in a child process; its JSON answer."""
     def died(signal_name: str) -> Exception:
         return PeerCrashed(f"llama.cpp died of {signal_name} on {gguf}: its build uses instructions this machine "
                            f"refuses (built for another CPU, or AMX tiles a sandboxed kernel does not grant); rebuild "
                            f"it for this machine: {portable_build_command()}")
-    return run_child(__name__, request, f"llama.cpp on {gguf}", PEER_TIMEOUT_S, died)
+    return run_child(__name__, request, f"llama.cpp on {gguf}", timeout_s, died)
 
 
 def quantize(src: Path, dst: Path, preset: str, *, threads: int = 1) -> Path:
@@ -110,7 +113,8 @@ def quantize(src: Path, dst: Path, preset: str, *, threads: int = 1) -> Path:
     GGUF `src`, written to `dst` by llama.cpp's own llama_model_quantize, in a child process
     (as generation: a build for another CPU dies of SIGILL). A quantised `src` is requantised
     (`--allow-requantize`): the type mix is the same, the values go through `src`'s rounding."""
-    _child(dict(op="quantize", src=str(src), dst=str(dst), preset=preset, threads=threads), Path(src))
+    _child(dict(op="quantize", src=str(src), dst=str(dst), preset=preset, threads=threads), Path(src),
+           max(PEER_TIMEOUT_S, Path(src).stat().st_size / QUANTIZE_SLOWEST))
     return Path(dst)
 
 

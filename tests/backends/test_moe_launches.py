@@ -57,3 +57,18 @@ def test_a_q4_k_m_moe_layer_is_the_three_cpu_kernels_on_each_banks_own_type():
                                            (("gate_exps", "sh_gate"), "q4_k_cols16"),
                                            (("up_exps", "sh_up"), "q4_k_cols16")]
     assert "moe_up" not in {k.op for k in lower(graph, "gpu").kernels.values()}
+
+
+def test_a_decode_moe_layer_unrolls_its_one_row_expert_tiles():
+    """As a decode's dense product (lowering.BLOCK_SPAN): a fixed single row's expert tiles
+    unroll their block type's elements, the 2- and 4-row tiles (which one row never takes)
+    and every tile of a call with more rows keep the element loop."""
+    from dflash_ir.backends.kir.ir import walk
+
+    def element_loops(name: str) -> dict[str, int]:
+        plan = lower(CASES[name].build().b.build(), "cpu")
+        return {k.op: sum(n.op == "unroll" and n.src[0].arg == "e" for n in walk(k.body))
+                for k in plan.kernels.values() if k.op in ("moe_up", "moe_down")}
+
+    assert element_loops("fused_moe_q4_k_m") == {"moe_up": 3, "moe_down": 3}
+    assert element_loops("fused_moe_q4_k_m_decode") == {"moe_up": 2, "moe_down": 2}

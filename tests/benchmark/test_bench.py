@@ -282,6 +282,21 @@ def test_peak_rss_counts_memory_the_process_touched():
     assert peak_rss() >= before + len(touched) - (1 << 20)
 
 
+def test_quantizing_a_large_file_may_take_longer_than_the_other_requests(tmp_path, monkeypatch):
+    """The 35B-A3B's 37 GB took 20 min to quantise on 2 cores: the child's time limit grows
+    with the source (a sparse file here), while a small one keeps the common limit."""
+    import dflash_ir.benchmark.peer as peer
+    limits = []
+    monkeypatch.setattr(peer, "run_child", lambda module, request, what, timeout_s, died: limits.append(timeout_s))
+    for size in (1 << 20, 37 << 30):
+        src = tmp_path / f"{size}.gguf"
+        with open(src, "wb") as f:
+            f.truncate(size)
+        peer.quantize(src, tmp_path / "out.gguf", "Q4_K_M")
+    assert limits[0] == peer.PEER_TIMEOUT_S
+    assert limits[1] >= 2 * (37 << 30) / 31e6  # twice the time it took
+
+
 def test_llama_cpp_requantizes_a_q8_0_file_to_its_q4_k_m_mix(tmp_path):
     """How the real-size Q4_K_M targets are made: from the generated Q8_0 file, not a 2x larger F16 one."""
     from dflash_ir.benchmark.peer import quantize

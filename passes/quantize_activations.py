@@ -6,9 +6,11 @@ Every such `matmul_<type>` and `matmul_group` whose x is f32 reads `quantize_q8_
 instead, as llama.cpp's CPU path does for the first five: its products become exact integer
 sums per sub-block scaled by both scales (dflash_ir/ops/specialised.py). llama.cpp quantises
 the K-quants' activations to Q8_K (one scale per 256); Q8_0 is the finer choice. The codebook
-types (IQ4_NL, IQ4_XS, MXFP4) keep f32 activations. One x is
-quantised once however many products read it (identical nodes are shared by the rewrite
-engine). Under `exact` numerics (the default) this pass does not run.
+types (IQ4_NL, IQ4_XS, MXFP4) keep f32 activations. A `fused_moe` whose expert and
+shared-expert weights are all of those types takes quantize_q8_0(x) as its `xq` (its
+products then quantise each SwiGLU for down too; the router keeps x). One x is quantised
+once however many products read it (identical nodes are shared by the rewrite engine).
+Under `exact` numerics (the default) this pass does not run.
 """
 from __future__ import annotations
 
@@ -31,8 +33,21 @@ def _quantized(m, emit):
     return dict(zip(node.outputs, outs if isinstance(outs, tuple) else (outs,)))
 
 
+EXPERT_WEIGHTS = slice(2, 8)  # fused_moe's inputs read by its expert and shared-expert products
+
+
+def _quantized_experts(m, emit):
+    node = m.root
+    inputs = [emit.value(name) for name in node.inputs]
+    if len(inputs) > 9 or any(w.type.dtype not in Q8_X_TYPES for w in inputs[EXPERT_WEIGHTS]):
+        return None
+    out = emit.op("fused_moe", *inputs, emit.op("quantize_q8_0", inputs[0]), **node.attr)
+    return {node.outputs[0]: out}
+
+
 # (any inputs: a product's x is its first, the weights and residual follow)
-RULES = [Rule("quantize", P((*PRODUCTS, "matmul_group"), output=None), _quantized)]
+RULES = [Rule("quantize", P((*PRODUCTS, "matmul_group"), output=None), _quantized),
+         Rule("quantize_experts", P("fused_moe", output=None), _quantized_experts)]
 
 
 def quantize_activations(graph: Graph) -> Graph:

@@ -3,22 +3,29 @@ dflash_ir/ops/fused.py), where no fused kernel exists for their dtypes or device
 Written against `ctx.sub` alone, so the TVM lowering registers the same compositions."""
 from __future__ import annotations
 
+from dflash_ir.ir import Value
+
 from ..lowering import NodeCtx
 
 
 def fused_moe_parts(ctx: NodeCtx) -> None:
     """fused_moe as its parts: router product, softmax, top-k, renormalisation, expert and
-    shared-expert products, SwiGLU, the gate (kernels/moe.py has the fused kernels)."""
-    x, router_w, gate_exps, up_exps, down_exps, sh_gate_w, sh_up_w, sh_down_w, sh_gate_inp_w = ctx.ins
+    shared-expert products, SwiGLU, the gate (kernels/moe.py has the fused kernels); with
+    `xq` the products read it and each SwiGLU is quantised for down."""
+    x, router_w, gate_exps, up_exps, down_exps, sh_gate_w, sh_up_w, sh_down_w, sh_gate_inp_w, *xq = ctx.ins
     k = ctx.attr["k"]
     rows, width = x.type.shape
+    src = xq[0] if xq else x
+
+    def down_input(act: Value) -> Value:
+        return ctx.sub("quantize_q8_0", act) if xq else act
     top_p, ids = ctx.sub("topk", ctx.sub("softmax", ctx.sub("matmul", x, router_w), axis=-1), k=k)
     weights = ctx.sub("div", top_p, ctx.sub("sum", top_p, axis=-1, keepdims=True))
-    act = ctx.sub("swiglu", ctx.sub("expert_matmul", x, gate_exps, ids), ctx.sub("expert_matmul", x, up_exps, ids))
-    down = ctx.sub("expert_matmul", act, down_exps, ids)
+    act = ctx.sub("swiglu", ctx.sub("expert_matmul", src, gate_exps, ids), ctx.sub("expert_matmul", src, up_exps, ids))
+    down = ctx.sub("expert_matmul", down_input(act), down_exps, ids)
     routed = ctx.sub("sum", ctx.sub("mul", down, ctx.sub("reshape", weights, shape=(rows, k, 1))), axis=1)
-    shared = ctx.sub("matmul", ctx.sub("swiglu", ctx.sub("matmul", x, sh_gate_w), ctx.sub("matmul", x, sh_up_w)),
-                     sh_down_w)
+    shared = ctx.sub("matmul", down_input(ctx.sub("swiglu", ctx.sub("matmul", src, sh_gate_w),
+                                                  ctx.sub("matmul", src, sh_up_w))), sh_down_w)
     gate_w = sh_gate_inp_w if sh_gate_inp_w.type.rank == 2 else ctx.sub("reshape", sh_gate_inp_w, shape=(1, width))
     gate = ctx.sub("sigmoid", ctx.sub("matmul", x, gate_w))
     ctx.sub("add", routed, ctx.sub("mul", shared, gate), outputs=[ctx.outs[0]])

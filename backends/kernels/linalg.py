@@ -74,10 +74,15 @@ def embedding(ctx: NodeCtx) -> None:
     flat_launch(ctx, compute, inputs=[packed, ids])
 
 
+def dp4_tiles(ctx: NodeCtx, x_q8: bool) -> bool:
+    """Whether the CPU tiles sum Q8_0 x with VPDPBUSD (on their dp4 packs)."""
+    return x_q8 and "avx512_vnni" in ctx.isa
+
+
 def tile_layout(ctx: NodeCtx, x_q8: bool, dtype: DType = DType.Q8_0) -> str:
     """The pack the CPU tiles read: Q8_0's, or another block type's words side by side; the
     dp4 one of either where they sum Q8_0 x with VPDPBUSD."""
-    return cols16_layout(dtype, x_q8 and "avx512_vnni" in ctx.isa)
+    return cols16_layout(dtype, dp4_tiles(ctx, x_q8))
 
 
 def tiled(w: Value) -> bool:
@@ -184,23 +189,28 @@ def _quantize_rows(ctx: NodeCtx, n: int) -> None:
     row, first = kb.let("row", kb.gid(0) / runs), kb.let("first", kb.gid(0) % runs * run)
     xr = kb.let("xr", cast(I64, row) * n)
     r = None if eps is None else inverse_rms_lanes(kb, x, xr, n, eps)
-    lanes = kb.array("lanes", F32, LANES)
     with kb.loop("b", first, minimum(first + run, nb)) as b:
         halves = []
         for h in range(0, 32, LANES):
             value = x.load(xr + b * 32 + h, lanes=LANES)
             halves.append(kb.let(f"v{h}", value if r is None else value * r * w.load(b * 32 + h, lanes=LANES)))
-        kb.set(lanes.vec(0, LANES), maximum(call("fabs", halves[0]), call("fabs", halves[1])))
-        amax = kb.let("amax", 0.0)
-        with kb.loop("e", 0, LANES) as e:
-            kb.set(amax, maximum(amax, lanes[e]))
-        d = kb.let("d", amax / 127.0)
-        inv = kb.let("inv", select(d.ne(0.0), 1.0 / d, 0.0))
-        block = kb.let("blk", cast(I64, row) * nb + b)
-        out.store(block * (Q8_BLOCK // 2), d, "f16")
-        for h, value in zip(range(0, 32, LANES), halves):
-            out.store(block * Q8_BLOCK + 2 + h, cast(I32.vec(LANES), call("round", value * inv)), "u8")
+        store_q8_vectors(kb, out, kb.let("blk", cast(I64, row) * nb + b), halves)
     kb.launch([prod(x_value.type.shape[:-1]) * runs])
+
+
+def store_q8_vectors(kb: KernelSpec, out: Buffer, block: K, halves: list[K]) -> None:
+    """Q8_0 block `block` of out from its 32 values as two 16-lane vectors, as _store_q8_block
+    makes it from scalars."""
+    lanes = kb.array("q8_lanes", F32, LANES)
+    kb.set(lanes.vec(0, LANES), maximum(call("fabs", halves[0]), call("fabs", halves[1])))
+    amax = kb.let("amax", 0.0)
+    with kb.loop("e", 0, LANES) as e:
+        kb.set(amax, maximum(amax, lanes[e]))
+    d = kb.let("d", amax / 127.0)
+    inv = kb.let("inv", select(d.ne(0.0), 1.0 / d, 0.0))
+    out.store(block * (Q8_BLOCK // 2), d, "f16")
+    for h, value in zip(range(0, 32, LANES), halves):
+        out.store(block * Q8_BLOCK + 2 + h, cast(I32.vec(LANES), call("round", value * inv)), "u8")
 
 
 def _store_q8_block(kb: KernelSpec, out: Buffer, block: K, value: Callable[[K], K]) -> None:
@@ -602,7 +612,7 @@ def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0
     if t.norm:
         def norm_at(i: K) -> K:
             return weight_at(t.norm[0], bufs["norm"], const(0), i, k)
-    q8_x = (x, rows) if x_q8 else None
+    q8_x = (x, [row * (k // 32) for row in rows]) if x_q8 else None
     tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype,
               block_span, x_sums)
     _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
@@ -617,10 +627,10 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r,
     i)`: element i, f32) into the 16-wide sums acc[r, j], one FMA per input index in order (a
     row's sums are the same sequence of FMAs whatever R is). `norm_at(i)`: a norm weight folded
-    into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first element): exact
+    into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first block): exact
     integer block sums, scaled by both scales; with `dp4` (the weights in the dp4 layout) the
-    integer sums are VPDPBUSD's (_dp4_tile_sums, from x's block sums `x_sums`), the same
-    integers. Another block `dtype` (quant.pack_blocks_cols16's layout) is decoded by
+    integer sums are VPDPBUSD's (_dp4_tile_sums, from x's block sums `x_sums` where given),
+    the same integers. Another block `dtype` (quant.pack_blocks_cols16's layout) is decoded by
     _block_tile_sums, `block_span` elements
     at a time unrolled (the lowering's, for a decode's product; 0: a loop); with `q8_x` by
     _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack."""
@@ -638,9 +648,9 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     with kb.loop("b", 0, nb) as b:
         at, scale = _group_block(kb, groups, b)
         if q8_x:
-            x, rows = q8_x
+            x, firsts = q8_x
             dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(V, 0.0)) for key in acc}
-            xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
+            xb = [kb.let(f"xb{r}", (firsts[r] + b) * Q8_BLOCK) for r in range(R)]
         with kb.loop("kk", 0, 32, unroll=UNROLL) as kk:  # not unrolled, PoCL ran this loop 4x slower
             quant = [cast(V, w.load(at[j] + 2 * COLS + kk * COLS, "i8", COLS)) for j, (w, _) in enumerate(groups)]
             if norm_at:
@@ -731,7 +741,7 @@ def _q8_x_block_sums(kb: KernelSpec, acc: dict, R: int, G: int, x: Buffer, xb: l
 
 
 def _q8_x_tile_blocks(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, R: int,
-                      rows: list[K], reader, body: Callable) -> None:
+                      firsts: list[K], reader, body: Callable) -> None:
     """The loops of a Q8_X_TYPES tile over Q8_0 x: weight blocks b, each group's block read
     through `reader(buffer, u16 index of the block)`, and its runs s of 32 elements, each with
     the Q8_0 block of x it meets: body(blocks, s, xb), xb[r] row r's x block (a byte)."""
@@ -740,7 +750,7 @@ def _q8_x_tile_blocks(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K
         blocks = [reader(w, kb.let(f"at{j}", base / 2 + b * (dtype.block_bytes // 2 * COLS)))
                   for j, (w, base) in enumerate(groups)]
         with kb.loop("s", 0, runs) as s:
-            xb = [kb.let(f"xb{r}", ((rows[r] * nb + b) * runs + s) * Q8_BLOCK) for r in range(R)]
+            xb = [kb.let(f"xb{r}", (firsts[r] + b * runs + s) * Q8_BLOCK) for r in range(R)]
             body(blocks, s, xb)
 
 
@@ -752,7 +762,7 @@ def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffe
     a min; then _q8_x_block_sums. The same integers as _dp4_block_tile_sums', so the same
     outputs bit for bit."""
     fmt, V, G = DECODERS[dtype], F32.vec(COLS), len(groups)
-    x, rows = q8_x
+    x, firsts = q8_x
     halves = 32 // fmt.sub
 
     def body(blocks, s, xb):
@@ -770,7 +780,7 @@ def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffe
                         kb.set(dot[r, j], call("fma", code[j], xv, dot[r, j]))
             _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset, h)
 
-    _q8_x_tile_blocks(kb, dtype, groups, nb, R, rows, Cols16Loads, body)
+    _q8_x_tile_blocks(kb, dtype, groups, nb, R, firsts, Cols16Loads, body)
 
 
 ONES = 0x01010101  # VPDPBUSD against bytes of 1: the sum of four signed bytes
@@ -785,7 +795,7 @@ def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer
     off as bias * Σ q_x, that sum taken by the same instruction on bytes of 1."""
     I, G = I32.vec(COLS), len(groups)
     words, fmt = DP4_TYPES[dtype], DECODERS[dtype]
-    x, rows = q8_x
+    x, firsts = q8_x
     quads = fmt.sub // 4  # quads of codes per sub-block
 
     def body(blocks, s, xb):
@@ -812,7 +822,7 @@ def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer
                     kb.set(dot[key], dot[key] - xsum[key[0]] * words.bias)
             _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset, h)
 
-    _q8_x_tile_blocks(kb, dtype, groups, nb, R, rows, lambda w, at: Dp4Loads(w, at, words.head), body)
+    _q8_x_tile_blocks(kb, dtype, groups, nb, R, firsts, lambda w, at: Dp4Loads(w, at, words.head), body)
 
 
 def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[list[K], list[K]]:
@@ -823,30 +833,37 @@ def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[
 
 
 def _dp4_tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
-                   q8_x: tuple[Buffer, list[K]], x_sums: Array) -> None:
+                   q8_x: tuple[Buffer, list[K]], x_sums: Array | None) -> None:
     """tile_sums over Q8_0 x with VPDPBUSD (unsigned x signed bytes, four per 32-bit lane): the
     dp4 pack holds the weights' quants w as the unsigned bytes w + 128, and x's quants q are
     the signed operand as they are, each word broadcast from memory by the instruction
     (dpbusd_at), so a row's word costs one instruction and no register broadcast. A block's
     sum starts from -128 sum(q) (x_sums, taken once per work-group) and so ends at the exact
     integer sum(w q): the block sums, and everything after them, equal tile_sums' f32 ones
-    bit for bit."""
+    bit for bit. Without x_sums (the expert tiles, whose rows are picked per expert) each
+    row's sum(q) comes from the same instruction on bytes of 1, taken off at the end: the
+    same integers."""
     V, I = F32.vec(COLS), I32.vec(COLS)
-    x, rows = q8_x
+    x, firsts = q8_x
     with kb.loop("b", 0, nb) as b:
         at, scale = _group_block(kb, groups, b)
-        xb = [kb.let(f"xb{r}", (rows[r] * nb + b) * Q8_BLOCK) for r in range(R)]
-        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, x_sums[key[0] * nb + b])) for key in acc}
+        xb = [kb.let(f"xb{r}", (firsts[r] + b) * Q8_BLOCK) for r in range(R)]
+        dot = {key: kb.let(f"dot{key[0]}_{key[1]}", cast(I, x_sums[key[0] * nb + b] if x_sums else 0))
+               for key in acc}
+        xsum = None if x_sums else [kb.let(f"xsum{r}", cast(I, 0)) for r in range(R)]
         with kb.loop("k4", 0, 8, unroll=UNROLL) as k4:
             wv = [kb.let(f"w{j}", w.load((at[j] + 2 * COLS) / 4 + k4 * COLS, "i32", COLS))
                   for j, (w, _) in enumerate(groups)]
             for r in range(R):
+                if xsum:
+                    kb.set(xsum[r], dpbusd_at(xsum[r], cast(I, ONES), x, xb[r] + 2 + 4 * k4))
                 for j in range(len(groups)):
                     kb.set(dot[r, j], dpbusd_at(dot[r, j], wv[j], x, xb[r] + 2 + 4 * k4))
         for r in range(R):
             dx = kb.let(f"dx{r}", x.load(xb[r] / 2, "f16"))
             for j in range(len(groups)):
-                kb.set(acc[r, j], call("fma", cast(V, dot[r, j]), scale[j] * dx, acc[r, j]))
+                total = dot[r, j] - xsum[r] * 128 if xsum else dot[r, j]
+                kb.set(acc[r, j], call("fma", cast(V, total), scale[j] * dx, acc[r, j]))
 
 
 def _store_tiles(kb: KernelBuilder, t: Tiled, M: K, R: int, r0: K, u0: K, slots, acc, inv, bufs) -> None:

@@ -12,14 +12,17 @@ banks, decoded lane-wise as in the dense tiles; gate and up, and down, may diffe
     moe_route  a work-group per row: the router logits, softmax, top-k (ties to the lower
                index), the top-k probabilities renormalised, and sigmoid(x · shexp_gate_inp)
                as the weight of slot k (the shared expert): ids [T, k], weights [T, k + 1]
-    moe_up     every (row, slot) pair: silu(x · gate_e) * (x · up_e) * weight: act [T, k + 1, F]
-    moe_down   every row: the sum over its slots, in slot order, of down_e · act
+    moe_up     every (row, slot) pair: silu(x · gate_e) * (x · up_e): act [T, k + 1, F]
+               (with Q8_0 x, the q8 numerics: x quantised, act in Q8_0 blocks)
+    moe_down   every row: the sum over its slots, in slot order, of weight * (down_e · act)
 
 and, with Q8_0 experts, four on the GPU profile, where the router product is the GEMV (or GEMM) launch before
 moe_route: a work-group per row computing E dot products of H would leave the GPU idle (on a
 CPU, one work-item per row reading four router rows at once was faster than a launch of its
 own: 0.32 against 0.40 ms for the 35B-A3B's 256 x 2048 f32 router from memory, one row; one
-row at a time, 0.36). Other expert dtypes or mixes: the parts' kernels (fused.py).
+row at a time, 0.36); there moe_up scales act by the weight, as moe_down sums a row's slots
+in one work-group. Other expert dtypes or mixes, and the q8 numerics on the GPU profile: the
+parts' kernels (fused.py).
 
 CPU schedule of the expert products (`_expert_tiles`): register tiles as the dense products'
 (linalg.tile_sums). A work-item owns a few groups of 16 outputs and a chunk of CHUNK rows;
@@ -48,12 +51,13 @@ from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import SIGMOID, weight_at
 from .fused import fused_moe_parts
-from .linalg import COLS, ROWWISE_COLS, Gemv, _gemv, _rowwise, group_bytes, rowwise_groups, tile_sums, tiled
+from .linalg import (COLS, ROWWISE_COLS, Gemv, _gemv, _rowwise, dp4_tiles, group_bytes, rowwise_groups,
+                     store_q8_vectors, tile_sums, tiled)
 from .shapes import cdiv, pow2_threads, prod
 
 CHUNK = 16          # rows whose pairs a CPU work-item groups by expert
 ITEMS = 2           # work-items per work-group of the CPU expert tiles
-UP_UNITS = 2        # gate/up pairs of groups per CPU work-item (4 groups of sums per row)
+UP_UNITS = 2        # gate/up pairs of groups per CPU work-item (4 groups of sums per row): a Q8_0 block
 DOWN_UNITS = 4      # groups of outputs per CPU work-item (down, expert_matmul)
 ROUTE_ITEMS = 1     # work-items of the CPU route kernel's work-group (one core runs a work-group anyway)
 ROUTER_STREAMS = 4  # router rows a CPU work-item reads at once
@@ -82,10 +86,11 @@ class Bank:
     k: int
     shared: tuple[int, int] | None = None
     dtype: DType = DType.Q8_0
+    dp4: bool = False  # the pack of the tiles that sum Q8_0 x with VPDPBUSD (linalg.dp4_tiles)
 
     @property
     def layout(self) -> str:
-        return cols16_layout(self.dtype)
+        return cols16_layout(self.dtype, self.dp4)
 
     @property
     def units(self) -> int:
@@ -142,10 +147,12 @@ class Pairs:
 
 @dataclass(frozen=True)
 class Products:
-    """One kernel's expert products: x rows (`xrow(pair)`: the offset of a pair's row) times
-    the units (a group of 16 outputs from each pack, side by side) of each pair's expert,
-    written by `store(kb, bufs, pair or row, unit, sums, expert)`; `inputs` and `outs` are the
-    other buffers the stores read and write."""
+    """One kernel's expert products: x rows (`xrow(pair)`: the offset of a pair's row; x f32,
+    or Q8_0 blocks) times the units (a group of 16 outputs from each pack, side by side) of
+    each pair's expert, written by `store(kb, bufs, pair or row, unit, sums, expert)`, or on
+    the CPU tiles by `store_units(kb, bufs, pair, u0, sums, expert, units)` where given (the
+    sums of all of a work-item's units u0, u0 + 1, ...: sums[p][pack]; `units` the expert's);
+    `inputs` and `outs` are the other buffers the stores read and write."""
 
     x: Value
     xrow: Callable[[K], K]
@@ -156,6 +163,7 @@ class Products:
     inputs: dict[str, Value]
     outs: dict[str, Value]
     store: Callable[[KernelSpec, dict, K, K, list, K | None], None]
+    store_units: Callable[[KernelSpec, dict, K, K, list, K, K], None] | None = None
 
     def kernel(self, ctx: NodeCtx, op: str, local: tuple[int, ...]) -> tuple[KernelSpec, dict[str, Buffer]]:
         kb = ctx.kernel(op, local)
@@ -179,6 +187,7 @@ def _expert_tiles(ctx: NodeCtx, op: str, job: Products, per: int,
     n_experts = bank.experts + (pairs.shared is not None)
     V = F32.vec(COLS)
     decode = job.ids.type.shape[0] == 1  # one row: its one-row tiles unroll their block types' elements
+    x_q8 = job.x.type.dtype is DType.Q8_0
 
     u0 = kb.let("u0", (kb.gid(0) * ITEMS + kb.lid(0)) * per)
     kb.return_if(u0 >= bank.units)
@@ -201,12 +210,16 @@ def _expert_tiles(ctx: NodeCtx, op: str, job: Products, per: int,
         groups = [(w, kb.let(f"{pre}wg{p}_{m}", bank.group_at(ex, minimum(u0 + p, units - 1))))
                   for p in range(per) for m, w in enumerate(ws)]
         acc = {(r, j): kb.let(f"{pre}acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(len(groups))}
-        tile_sums(kb, groups, nb, acc, R, lambda r, i: xb[xo[r] + i], dtype=bank.dtype,
-                  block_span=ctx.block_span if R == 1 and decode else 0)
+        tile_sums(kb, groups, nb, acc, R, lambda r, i: xb[xo[r] + i], q8_x=(xb, [o / 32 for o in xo]) if x_q8 else None,
+                  dp4=bank.dp4, dtype=bank.dtype, block_span=ctx.block_span if R == 1 and decode else 0)
         for r in range(R):
+            sums = [[acc[r, p * len(ws) + m] for m in range(len(ws))] for p in range(per)]
+            if job.store_units:
+                job.store_units(kb, bufs, gp[r], u0, sums, ex, units)
+                continue
             for p in range(per):
                 with kb.if_(u0 + p < units):
-                    store(kb, bufs, gp[r], u0 + p, [acc[r, p * len(ws) + m] for m in range(len(ws))], ex)
+                    store(kb, bufs, gp[r], u0 + p, sums[p], ex)
 
     with kb.loop("q", 0, rows * S) as q:
         ex = kb.let("ex", pairs.expert(idb, p0 + q))
@@ -298,11 +311,14 @@ def _swiglu(g: K, up: K) -> K:
 # -- fused_moe ------------------------------------------------------------------------------
 @lowers("fused_moe")
 def fused_moe(ctx: NodeCtx) -> None:
-    """The kernels of the module docstring where the experts' types allow; else the parts'."""
-    x, router_w, gate_exps, up_exps, down_exps, sh_gate, sh_up, sh_down, gate_inp = ctx.ins
+    """The kernels of the module docstring where the experts' types allow; else the parts'.
+    With Q8_0 x (`xq`, the q8 numerics; CPU only) the products read it, moe_up quantises
+    each SwiGLU block for down (a work-item's UP_UNITS groups are one Q8_0 block), and
+    moe_down weights each pair's product after it, as the reference does."""
+    x, router_w, gate_exps, up_exps, down_exps, sh_gate, sh_up, sh_down, gate_inp, *xq = ctx.ins
     cpu = ctx.profile == "cpu"
     up_type, down_type = tiled_type([gate_exps, up_exps, sh_gate, sh_up]), tiled_type([down_exps, sh_down])
-    if not (up_type and down_type) or not cpu and {up_type, down_type} != {DType.Q8_0}:
+    if not (up_type and down_type) or not cpu and ({up_type, down_type} != {DType.Q8_0} or xq):
         fused_moe_parts(ctx)
         return
     k = ctx.attr["k"]
@@ -315,8 +331,9 @@ def fused_moe(ctx: NodeCtx) -> None:
     weights = ctx.temp(TensorType(DType.F32, (T, S)))
     _route(ctx, x, router_w if cpu else ctx.sub("matmul", x, router_w), gate_inp, ids, weights, k, inline=cpu)
 
-    act = ctx.temp(TensorType(DType.F32, (T, S, Fx)))
-    up_bank, down_bank = Bank(E, F, H, (Fs, H), up_type), Bank(E, H, F, (H, Fs), down_type)
+    act = ctx.temp(TensorType(DType.Q8_0 if xq else DType.F32, (T, S, Fx)))
+    dp4 = dp4_tiles(ctx, bool(xq))
+    up_bank, down_bank = Bank(E, F, H, (Fs, H), up_type, dp4), Bank(E, H, F, (H, Fs), down_type, dp4)
     up_packs = {"gate": ctx.packed([gate_exps, sh_gate], up_bank.layout),
                 "up": ctx.packed([up_exps, sh_up], up_bank.layout)}
     down_pack = {"down": ctx.packed([down_exps, sh_down], down_bank.layout)}
@@ -328,24 +345,39 @@ def fused_moe(ctx: NodeCtx) -> None:
         return cast(I64, pair) * Fx
 
     def store_act(kb, bufs, pair, unit, sums, ex) -> None:
-        wt = kb.let("wt", bufs["weights"][pair])
+        wt = None if cpu else kb.let("wt", bufs["weights"][pair])  # the CPU tiles weight the product of down
 
         def write(lane, v):
-            bufs["act"][act_row(pair) + unit * COLS + lane] = _swiglu(v[0], v[1]) * wt
+            value = _swiglu(v[0], v[1])
+            bufs["act"][act_row(pair) + unit * COLS + lane] = value if wt is None else value * wt
         if cpu:
             _lanes_out(kb, sums, up_bank.width(ex) - unit * COLS, write)
         else:
             with kb.if_(unit * COLS + kb.lid(0) < up_bank.width(ex)):
                 write(kb.lid(0), sums)
 
+    def store_act_block(kb, bufs, pair, u0, sums, ex, units) -> None:
+        """The SwiGLU of a Q8_0 block's 32 outputs, quantised."""
+        with kb.if_(u0 < units):
+            values = kb.array("act_block", F32, 32)
+            halves = [kb.array(f"{name}_lanes", F32, 32) for name in ("gate", "up")]
+            for p, unit_sums in enumerate(sums):
+                for half, v in zip(halves, unit_sums):
+                    kb.set(half.vec(p * COLS, COLS), v)
+            with kb.loop("l", 0, 32) as l:
+                values[l] = _swiglu(halves[0][l], halves[1][l])
+            store_q8_vectors(kb, bufs["act"], act_row(pair) / 32 + u0 * COLS / 32,
+                             [kb.let(f"act{h}", values.vec(h, COLS)) for h in (0, COLS)])
+
     out = ctx.outs[0]
-    up = Products(x, x_row, up_packs, up_bank, ids, pairs, {"weights": weights}, {"act": act}, store_act)
+    up = Products(xq[0] if xq else x, x_row, up_packs, up_bank, ids, pairs, {"weights": weights}, {"act": act},
+                  store_act, store_act_block if xq else None)
     if cpu:
         _expert_tiles(ctx, "moe_up", up, UP_UNITS)
         parts = ctx.temp(TensorType(DType.F32, (T, S, H)))
 
         def store_part(kb, bufs, pair, unit, sums, ex) -> None:
-            bufs["parts"].store(cast(I64, pair) * H + unit * COLS, sums[0])
+            bufs["parts"].store(cast(I64, pair) * H + unit * COLS, sums[0] * bufs["weights"][pair])
 
         def finish(kb, bufs, r0, rows, u0) -> None:
             """Each row's outputs: its pairs' products summed in slot order."""
@@ -357,7 +389,8 @@ def fused_moe(ctx: NodeCtx) -> None:
                         with kb.loop("slot", 1, S) as slot:
                             kb.set(total, total + bufs["parts"].load(at + slot * H, lanes=COLS))
                         bufs["out"].store(cast(I64, r0 + r) * H + (u0 + p) * COLS, total)
-        down = Products(act, act_row, down_pack, down_bank, ids, pairs, {}, {"parts": parts, "out": out}, store_part)
+        down = Products(act, act_row, down_pack, down_bank, ids, pairs, {"weights": weights},
+                        {"parts": parts, "out": out}, store_part)
         _expert_tiles(ctx, "moe_down", down, DOWN_UNITS, finish)
         return
 
@@ -471,18 +504,20 @@ def _router_logits(kb: KernelSpec, x: Buffer, xr: K, w: Buffer, dtype: DType, E:
 # -- expert_matmul --------------------------------------------------------------------------
 @lowers("expert_matmul")
 def expert_matmul(ctx: NodeCtx) -> None:
-    """out[t, s] = x[t] (or x[t, s]) @ w[ids[t, s]]ᵀ, reading only the selected experts' rows.
-    CPU profile, a type the tiles read: the expert tiles (as fused_moe's); GPU profile, a GEMV
-    work-group per (output column block, pair) on the weights as stored; CPU profile, other
-    dtypes: the rowwise schedule, a pair per work-item."""
+    """out[t, s] = x[t] (or x[t, s]) @ w[ids[t, s]]ᵀ, reading only the selected experts' rows;
+    x f32, or Q8_0 blocks. CPU profile, a type the tiles read: the expert tiles (as
+    fused_moe's); GPU profile, a GEMV work-group per (output column block, pair) on the
+    weights as stored; CPU profile, other dtypes (f32 x only): the rowwise schedule, a pair
+    per work-item."""
     x_value, w_value, ids_value = ctx.ins
     out_value = ctx.outs[0]
     E, n, k = w_value.type.shape
     T, slots = ids_value.type.shape
     per_slot = x_value.type.rank != 2
     ctx.check("index", ids_value, size=E)
+    x_q8 = x_value.type.dtype is DType.Q8_0
     if ctx.profile == "cpu" and tiled(w_value) and isinstance(slots, int):
-        bank, pairs = Bank(E, n, k, dtype=w_value.type.dtype), Pairs(slots)
+        bank, pairs = Bank(E, n, k, dtype=w_value.type.dtype, dp4=dp4_tiles(ctx, x_q8)), Pairs(slots)
 
         def xrow(pair: K) -> K:
             return cast(I64, pair if per_slot else pair / slots) * k
@@ -521,5 +556,5 @@ def expert_matmul(ctx: NodeCtx) -> None:
     n_col = kb.let("n", kb.gid(0) * g.cols + kb.lid(1))
     p = kb.let("p", kb.gid(1))
     _gemv(kb, g, 1, const(1), dim(n), n_col, w, (cast(I64, ids[p]) * dim(n) + n_col,), x,
-          lambda row: xrow(p), lambda row, col, value: store(p, col, value))
+          lambda row: xrow(p), lambda row, col, value: store(p, col, value), x_q8)
     kb.launch([cdiv(dim(n), g.cols), pairs])

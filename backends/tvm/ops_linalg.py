@@ -92,14 +92,16 @@ def quantize_q8_0(ctx: TVMNodeCtx) -> None:
 
 @lowers("expert_matmul")
 def expert_matmul(ctx: TVMNodeCtx) -> None:
-    """out[t, s] = x[t (, s)] @ w[ids[t, s]]ᵀ: only the selected expert's rows are read."""
+    """out[t, s] = x[t (, s)] @ w[ids[t, s]]ᵀ: only the selected expert's rows are read; a Q8_0
+    x read as its values d_x * q, as matmul's."""
     x, w, ids = ctx.ins
     out = ctx.outs[0]
     _, n, k = w.type.shape
     slots = dim(ids.type.shape[1])
     N, K = dim(n), dim(k)
     xrow = f"(p // {slots})" if x.type.rank == 2 else "p"
-    term = f"x[{xrow} * {K} + c] * {weight_at(w.type.dtype, 'w', f'ids[p] * {N} + col', 'c', k)}"
+    xv = weight_at(DType.Q8_0, "x", xrow, "c", k) if x.type.dtype is DType.Q8_0 else f"x[{xrow} * {K} + c]"
+    term = f"{xv} * {weight_at(w.type.dtype, 'w', f'ids[p] * {N} + col', 'c', k)}"
     ctx.kernel("expert_matmul", [("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)],
                block([("p", prod(ids.type.shape)), ("col", N)], f"out[p * {N} + col] = out[p * {N} + col] + {term}",
                      reduce=[("c", K)], init=f"out[p * {N} + col] = T.float32(0)"))

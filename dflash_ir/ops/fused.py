@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from ..dtypes import DType
+from ..quant import quantize_q8_0
 from ..types import TensorType
 from .attention import attention, kv_write
 from .elementwise import sigmoid_f32
@@ -188,19 +189,22 @@ def _reference(op: str, *arrays: np.ndarray) -> np.ndarray:
 
 
 def _fused_moe_rule(x, router_w, gate_exps, up_exps, down_exps, shexp_gate_w, shexp_up_w, shexp_down_w,
-                    shexp_gate_inp_w, *, k):
+                    shexp_gate_inp_w, xq=None, *, k):
     expect_rank("x", x, 2)
     int_attr("k", k, minimum=1)
     (probs,) = _infer("softmax", *_infer("matmul", x, router_w), axis=-1)
     _, ids = _infer("topk", probs, k=k)
+    if xq is not None:
+        check(xq == TensorType(DType.Q8_0, x.shape), f"xq {xq} must be x {x} in Q8_0")
+        x = xq
     (gate,) = _infer("expert_matmul", x, gate_exps, ids)
     (up,) = _infer("expert_matmul", x, up_exps, ids)
     check(gate == up, f"expert gate {gate} and up {up} projections differ")
-    (down,) = _infer("expert_matmul", gate, down_exps, ids)
+    (down,) = _infer("expert_matmul", _activations(gate, xq), down_exps, ids)
     (sh_gate,) = _infer("matmul", x, shexp_gate_w)
     (sh_up,) = _infer("matmul", x, shexp_up_w)
     check(sh_gate == sh_up, f"shared expert gate {sh_gate} and up {sh_up} projections differ")
-    (shared,) = _infer("matmul", sh_gate, shexp_down_w)
+    (shared,) = _infer("matmul", _activations(sh_gate, xq), shexp_down_w)
     out = f32((x.shape[0], down.shape[2]))
     expect_same("shared expert width", shared.shape[1], "routed width", out.shape[1], (shared, down))
     expect_dtype("shexp_gate_inp_w", shexp_gate_inp_w, *WEIGHT_DTYPES)
@@ -211,17 +215,29 @@ def _fused_moe_rule(x, router_w, gate_exps, up_exps, down_exps, shexp_gate_w, sh
     return out
 
 
+def _activations(t: TensorType, xq: TensorType | None) -> TensorType:
+    """The down projections' input: the SwiGLU in Q8_0 where the products take Q8_0 x."""
+    return t if xq is None else _infer("quantize_q8_0", t)[0]
+
+
 @defop("fused_moe", _fused_moe_rule)
 def fused_moe(x, router_w, gate_exps, up_exps, down_exps, shexp_gate_w, shexp_up_w, shexp_down_w, shexp_gate_inp_w,
-              *, k):
+              xq=None, *, k):
     """A Qwen3.5 MoE block: softmax router over all experts, top-k renormalised, SwiGLU of
     the selected experts only (their weights are the only expert weights read), weighted
-    sum, plus the shared expert's SwiGLU scaled by sigmoid(x · shexp_gate_inp_w)."""
+    sum, plus the shared expert's SwiGLU scaled by sigmoid(x · shexp_gate_inp_w). With `xq`
+    (x in Q8_0: the q8 numerics) the expert and shared-expert products take Q8_0 activations,
+    as llama.cpp's CPU path does: xq for gate and up, each SwiGLU quantised for down; the
+    router and the shared gate keep x."""
     top_p, ids = topk(softmax(matmul(x, router_w), axis=-1), k=k)
     weights = top_p / sum_(top_p, axis=-1, keepdims=True)
-    act = _silu(expert_matmul(x, gate_exps, ids)) * expert_matmul(x, up_exps, ids)
-    routed = sum_(expert_matmul(act, down_exps, ids) * weights.reshape(len(x), k, 1), axis=1)
-    shared = matmul(_silu(matmul(x, shexp_gate_w)) * matmul(x, shexp_up_w), shexp_down_w)
+    src = x if xq is None else xq
+
+    def down_input(act: np.ndarray) -> np.ndarray:
+        return act if xq is None else quantize_q8_0(act)
+    act = _silu(expert_matmul(src, gate_exps, ids)) * expert_matmul(src, up_exps, ids)
+    routed = sum_(expert_matmul(down_input(act), down_exps, ids) * weights.reshape(len(x), k, 1), axis=1)
+    shared = matmul(down_input(_silu(matmul(src, shexp_gate_w)) * matmul(src, shexp_up_w)), shexp_down_w)
     shared_gate = sigmoid_f32(matmul(x, as_f32(shexp_gate_inp_w).reshape(1, -1)))
     return np.asarray(routed + shared * shared_gate)
 

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..blocks import DECODERS
 from ..dtypes import DType
-from ..quant import Q8_X_TYPES, block_parts, quantize_q8_0
+from ..quant import Q8_X_TYPES, quantize_q8_0
 from ..types import TensorType
 from .linalg import matmul
 from .registry import get_op
@@ -39,8 +38,6 @@ _STORED = (DType.F16, *(d for d in DType if d.is_block))
 LAYOUTS = {d: f"{d.value}_rowmajor" for d in _STORED}
 OPS = {d: f"matmul_{d.value}" for d in _STORED}
 _BLOCK = DType.Q8_0.block_size
-# weight rows handled at once by the Q8_0 x Q8_0 path (bounds its [blocks, T, rows] temporaries)
-_ROWS = 256
 
 
 def _specialised(dtype: DType) -> None:
@@ -58,31 +55,12 @@ def _specialised(dtype: DType) -> None:
         return out
 
     def reference(x, w, residual=None, *, form, K, N, layout):
-        out = _matmul_q8_x(x, w, dtype) if x.dtype == np.uint8 else matmul(x, w)
+        out = matmul(x, w)
         return out if residual is None else np.asarray(out + residual)
 
     reference.__doc__ = (f"x @ wᵀ [+ residual] for a weight w[N, K] stored as {dtype}, read as stored and "
                          f"dequantised in row chunks (never the whole matrix); `form`, `layout` choose the kernel.")
     defop(OPS[dtype], rule)(reference)
-
-
-def _matmul_q8_x(x: np.ndarray, w: np.ndarray, dtype: DType) -> np.ndarray:
-    """Q8_0 x times a weight of Q8_X_TYPES: per sub-block the integer dot of x's quants and w's
-    codes (exact in f32: |sum| <= 32·127² < 2^24) times d_x·scale, plus
-    offset·(d_x·Σ q_x) where w has one."""
-    lead = x.shape[:-1]
-    dx, qx, _ = block_parts(x.reshape(-1, x.shape[-1]), DType.Q8_0)  # [T, K/32], [T, K/32, 32]
-    sub = 32 if dtype is DType.Q8_0 else DECODERS[dtype].sub  # w's sub-blocks: 32 or 16 elements
-    dx, qx = np.repeat(dx, 32 // sub, axis=1), qx.reshape(qx.shape[0], -1, sub)  # per sub-block
-    out = np.empty((qx.shape[0], w.shape[0]), dtype=F32)
-    qx_b = qx.transpose(1, 0, 2)  # [nb, T, sub]
-    x_sums = dx * qx.sum(axis=-1)  # [T, nb], exact integer sums times d_x
-    for start in range(0, w.shape[0], _ROWS):
-        dw, qw, mw = block_parts(w[start:start + _ROWS], dtype)  # [n, nb], [n, nb, sub], [n, nb]
-        sums = qx_b @ qw.transpose(1, 2, 0)  # [nb, T, n]
-        part = np.einsum("btn,tb,nb->tn", sums, dx, dw, dtype=F32)
-        out[:, start:start + _ROWS] = part if mw is None else part + np.einsum("tb,nb->tn", x_sums, mw, dtype=F32)
-    return out.reshape(*lead, w.shape[0])
 
 
 for _dtype in OPS:

@@ -72,3 +72,25 @@ def test_a_decode_moe_layer_unrolls_its_one_row_expert_tiles():
 
     assert element_loops("fused_moe_q4_k_m") == {"moe_up": 3, "moe_down": 3}
     assert element_loops("fused_moe_q4_k_m_decode") == {"moe_up": 2, "moe_down": 2}
+
+
+@pytest.mark.parametrize("isa, suffix", [(frozenset(), ""), (frozenset({"avx512_vnni"}), "_dp4")])
+def test_a_q8_moe_layer_reads_quantised_x_and_hands_down_a_q8_0_swiglu(isa, suffix):
+    """With xq (the q8 numerics) the CPU layer stays three kernels: the router reads x,
+    moe_up reads xq, not x, from the banks' packs (the dp4 ones where VPDPBUSD sums them) and
+    writes the SwiGLU in Q8_0 blocks, which moe_down reads; the GPU profile takes the parts."""
+    from dflash_ir.dtypes import DType
+    from dflash_ir.types import parse_type
+
+    graph = CASES["fused_moe_q4_k_m_q8_x_decode"].build().b.build()
+    node = next(n for n in graph.nodes if n.op == "fused_moe")
+    x, xq = node.inputs[0], node.inputs[9]
+    plan = lower(graph, "cpu", isa=isa)
+    route, up, down = plan.steps[-1].launches
+    assert [la.kernel.rsplit("_", 1)[0] for la in (route, up, down)] == LAUNCHES["cpu"]
+    assert x in route.buffers and xq not in route.buffers
+    assert xq in up.buffers and x not in up.buffers
+    assert sorted(layout for _, layout in plan.packs.values()) == [f"q4_k_cols16{suffix}"] * 2 + [f"q6_k_cols16{suffix}"]
+    handed = {v: parse_type(plan.temps[v]).dtype for v in set(up.buffers) & set(down.buffers) if v in plan.temps}
+    assert sorted(handed.values(), key=str) == sorted([DType.F32, DType.I32, DType.Q8_0], key=str)  # weights, ids, act
+    assert "moe_up" not in {k.op for k in lower(graph, "gpu").kernels.values()}

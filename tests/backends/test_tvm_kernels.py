@@ -3,18 +3,29 @@ edge shapes, tests/kernel_cases.py): through TVM's LLVM target on this CPU, and 
 OpenCL target (dlight-scheduled) run by pyopencl on PoCL."""
 import pytest
 
-from kernel_cases import CASES, compare
+from kernel_cases import CASES, TOL, compare
 from dflash_ir.ops.registry import all_ops
+
+
+# TVM's products of Q8_0 x sum d_x·q_x times the weight in f32, not exact integer block sums
+# as the reference and the native kernels do; where a kernel quantises such a product again
+# (the q8 MoE's SwiGLU), a value a few ulps off can round to the neighbouring quant: one quant
+# step (1/127 of its block's max) times a weight, ~1e-4 of the output's max.
+REQUANTISED_TOL = 1e-3
+
+
+def _tol(name: str) -> float:
+    return REQUANTISED_TOL if name.startswith("fused_moe") and name.endswith(("_q8_x", "_q8_x_decode")) else TOL
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_llvm_kernel_matches_interpreter(tvm, name, tmp_path):
-    compare(tvm, name, tmp_path)
+    compare(tvm, name, tmp_path, tol=_tol(name))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_opencl_kernel_matches_interpreter(tvm_opencl, name, tmp_path):
-    compare(tvm_opencl, name, tmp_path)
+    compare(tvm_opencl, name, tmp_path, tol=_tol(name))
 
 
 def test_every_op_has_a_tvm_lowering():

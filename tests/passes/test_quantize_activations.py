@@ -21,12 +21,69 @@ def test_every_q8_0_product_reads_one_quantisation_of_its_x(tiny_models, arch):
     values, producers = out.values(), out.producers()
     products = _products(out)
     assert len(products) == len(_products(g)) > 0
-    quantized = {n.inputs[0] for n in products}
+    quantized = {n.inputs[0] for n in products} | {n.inputs[9] for n in out.nodes if n.op == "fused_moe"}
     assert all(values[x].type.dtype is DType.Q8_0 and producers[x].op == "quantize_q8_0" for x in quantized)
     # one quantize per distinct f32 x: products of one x share it
     sources = [producers[x].inputs[0] for x in quantized]
     assert len(sources) == len(set(sources)) == out.op_counts()["quantize_q8_0"]
     assert not any(values[n.inputs[0]].type.dtype is DType.Q8_0 for n in g.nodes if n.op.startswith("matmul"))
+
+
+def test_moe_experts_read_a_quantisation_of_the_layer_x_and_the_router_keeps_x(tiny_models):
+    g = run_pipeline(tiny_models("qwen35moe", "q8_0").graphs["target.verify"], level=2)
+    out = quantize_activations(g)
+    producers = out.producers()
+    moes = [n for n in out.nodes if n.op == "fused_moe"]
+    assert len(moes) == len([n for n in g.nodes if n.op == "fused_moe"]) > 0
+    for n in moes:
+        assert len(n.inputs) == 10
+        assert producers[n.inputs[9]].op == "quantize_q8_0" and producers[n.inputs[9]].inputs[0] == n.inputs[0]
+
+
+def test_moe_experts_of_a_codebook_type_keep_f32_activations():
+    """One bank without products of Q8_0 x (MXFP4 down) keeps the whole layer in f32."""
+    from dflash_ir.builder import GraphBuilder
+
+    b = GraphBuilder("moe")
+    x = b.input("x", DType.F32, (3, 32))
+    w = {name: b.weight(name, dtype, shape) for name, dtype, shape in (
+        ("router", DType.F32, (4, 32)), ("gate", DType.Q8_0, (4, 32, 32)), ("up", DType.Q8_0, (4, 32, 32)),
+        ("down", DType.MXFP4, (4, 32, 32)), ("sh_gate", DType.Q8_0, (32, 32)), ("sh_up", DType.Q8_0, (32, 32)),
+        ("sh_down", DType.Q8_0, (32, 32)), ("sh_inp", DType.F32, (32,)))}
+    b.output("out", b.op("fused_moe", x, *w.values(), k=2))
+    g = b.build()
+    assert quantize_activations(g) == g
+
+
+def test_q8_moe_is_its_parts_on_quantised_activations():
+    """fused_moe with xq computes what its unfused parts compute on Q8_0 activations, bit for bit:
+    the expert products (each already checked against gguf-py) on xq, each SwiGLU quantised."""
+    from quant_blocks import random_blocks
+
+    rng = np.random.default_rng(4)
+    T, H, E, F, k = 5, 64, 4, 32, 2
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    router = rng.standard_normal((E, H)).astype(np.float32)
+    gate, up = (random_blocks(rng, (E, F, H), DType.Q4_1) for _ in range(2))
+    down = random_blocks(rng, (E, H, F), DType.Q5_0)
+    sh_gate, sh_up, sh_down = (quantize(rng.standard_normal(shape).astype(np.float32) / 8, DType.Q8_0)
+                               for shape in ((F, H), (F, H), (H, F)))
+    sh_inp = rng.standard_normal(H).astype(np.float32)
+    xq = quantize(x, DType.Q8_0)
+    got = get_op("fused_moe").run([x, router, gate, up, down, sh_gate, sh_up, sh_down, sh_inp, xq], {"k": k})[0]
+
+    def op(name, *args, **attrs):
+        return get_op(name).run(list(args), attrs)[0]
+    top_p, ids = get_op("topk").run([op("softmax", op("matmul", x, router), axis=-1)], {"k": k})
+    weights = top_p / top_p.sum(axis=-1, keepdims=True)
+    act = op("swiglu", op("expert_matmul", xq, gate, ids), op("expert_matmul", xq, up, ids))
+    routed = op("sum", op("expert_matmul", quantize(act, DType.Q8_0), down, ids) * weights[..., None], axis=1)
+    shared = op("matmul", quantize(op("swiglu", op("matmul", xq, sh_gate), op("matmul", xq, sh_up)), DType.Q8_0),
+                sh_down)
+    want = op("add", routed, op("mul", shared, op("sigmoid", op("matmul", x, sh_inp.reshape(1, -1)))))
+    assert np.array_equal(got, want)
+    exact = get_op("fused_moe").run([x, router, gate, up, down, sh_gate, sh_up, sh_down, sh_inp], {"k": k})[0]
+    assert 0 < np.abs(got - exact).max() <= 3e-2 * np.abs(exact).max()
 
 
 def test_f16_products_keep_f32_activations(tiny_models):

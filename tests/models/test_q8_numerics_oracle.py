@@ -4,7 +4,9 @@ logits, whose CPU products read activations quantised to Q8_0 (ref/llamacpp_targ
 
 Measured (interpreter, every prompt position, llama.cpp's top-32 ids; exact mode beside):
     dense  q8: max |d| 0.39, mean 0.063, prompt argmax equal 48/49   exact: 1.62, 0.21, 43/49
-    moe    q8: max |d| 2.19, mean 0.20,  prompt argmax equal 43/49   exact: 11.8, 0.66, 33/49
+    moe    q8: max |d| 1.33, mean 0.072, prompt argmax equal 49/49   exact: 11.8, 0.66, 33/49
+(the MoE experts' products quantise their activations too since 2026-12-06: before, with
+f32 x there, 2.19, 0.20, 43/49)
 A quantised activation is a step function of the float before it: the F16 rounding of
 llama.cpp's cache and attention moves some values across a rounding boundary and the
 model amplifies it at the prompt positions (top1-top2 margins near 0; in the MoE model a
@@ -24,7 +26,7 @@ from dflash_ir.artifact import make_engine, open_pair
 from dflash_ir.interpreter import Interpreter
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
-MEAN_BOUND = {"dense": 0.1, "moe": 0.3}  # 1.5x the measured q8 means
+MEAN_BOUND = {"dense": 0.1, "moe": 0.11}  # 1.5x the measured q8 means
 
 
 def _engine(path, numerics):

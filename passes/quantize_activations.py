@@ -6,9 +6,9 @@ Every such `matmul_<type>` and `matmul_group` whose x is f32 reads `quantize_q8_
 instead, as llama.cpp's CPU path does for the first five: its products become exact integer
 sums per sub-block scaled by both scales (dflash_ir/ops/specialised.py). llama.cpp quantises
 the K-quants' activations to Q8_K (one scale per 256); Q8_0 is the finer choice. The codebook
-types (IQ4_NL, IQ4_XS, MXFP4) keep f32 activations. A `fused_moe` whose expert and
-shared-expert weights are all of those types takes quantize_q8_0(x) as its `xq` (its
-products then quantise each SwiGLU for down too; the router keeps x). One x is quantised
+types (IQ4_NL, IQ4_XS, MXFP4) keep f32 activations. A `fused_moe` whose six expert and
+shared-expert weights all have Q8_0-x products takes quantize_q8_0(x) as its `xq` (they then
+quantise each SwiGLU for down too; the router and the shared gate keep x). One x is quantised
 once however many products read it (identical nodes are shared by the rewrite engine).
 Under `exact` numerics (the default) this pass does not run.
 """

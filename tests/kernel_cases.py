@@ -258,7 +258,7 @@ case("expert_matmul_q4_0", T=5)(lambda c: c.out(c.b.expert_matmul(
     c.x("x", ("T", 64)), c.w("w", (6, 40, 64), DType.Q4_0), c.ints("ids", ("T", 2), 6))))
 case("expert_matmul_per_slot", T=3)(lambda c: c.out(c.b.expert_matmul(
     c.x("x", ("T", 2, 32)), c.w("w", (4, 64, 32), Q8), c.ints("ids", ("T", 2), 4))))
-for _dt in (Q8, DType.Q5_K):  # Q8_0 x (the q8 numerics), per row and per slot
+for _dt in (Q8, DType.Q4_0):  # Q8_0 x (the q8 numerics), per row and per slot (K-quants: fused_moe's case)
     case(f"expert_matmul_{_dt}_q8_x", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
         c.b.op("quantize_q8_0", c.x("x", ("T", 256))), c.w("w", (6, 24, 256), dt), c.ints("ids", ("T", 2), 6))))
 case("expert_matmul_per_slot_q8_x", T=3)(lambda c: c.out(c.b.expert_matmul(

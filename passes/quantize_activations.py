@@ -34,12 +34,13 @@ def _quantized(m, emit):
 
 
 EXPERT_WEIGHTS = slice(2, 8)  # fused_moe's inputs read by its expert and shared-expert products
+XQ = 9                        # fused_moe's input index of xq
 
 
 def _quantized_experts(m, emit):
     node = m.root
     inputs = [emit.value(name) for name in node.inputs]
-    if len(inputs) > 9 or any(w.type.dtype not in Q8_X_TYPES for w in inputs[EXPERT_WEIGHTS]):
+    if len(inputs) > XQ or any(w.type.dtype not in Q8_X_TYPES for w in inputs[EXPERT_WEIGHTS]):
         return None
     out = emit.op("fused_moe", *inputs, emit.op("quantize_q8_0", inputs[0]), **node.attr)
     return {node.outputs[0]: out}

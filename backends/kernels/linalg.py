@@ -525,7 +525,7 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
         span = M if fixed is not None else const(max(rows, WALK_ROWS))
         # a decode's product (not a prefill's one-row bucket) unrolls its block types' elements
         block_span = ctx.block_span if fixed == 1 else 0
-        kb.emit_memoised(_tiles, t, M, rows, per, items, span, layout.endswith("_dp4"), block_span)
+        kb.emit_memoised(_tiles, t, M, rows, per, items, span, dp4_tiles(ctx, x_q8), block_span)
         kb.launch([cdiv(const(t.units), per * items), cdiv(M, span)],
                   when=None if fixed is not None else (M >= lo) & (M <= hi))
 

@@ -61,6 +61,7 @@ UP_UNITS = 2        # gate/up pairs of groups per CPU work-item (4 groups of sum
 DOWN_UNITS = 4      # groups of outputs per CPU work-item (down, expert_matmul)
 ROUTE_ITEMS = 1     # work-items of the CPU route kernel's work-group (one core runs a work-group anyway)
 ROUTER_STREAMS = 4  # router rows a CPU work-item reads at once
+assert UP_UNITS * COLS == DType.Q8_0.block_size, "moe_up's store quantises a work-item's gate/up groups as one block"
 LANES = 16          # GPU: lanes over K blocks per group of 16 outputs (16 x 16 work-groups)
 
 
@@ -360,12 +361,12 @@ def fused_moe(ctx: NodeCtx) -> None:
         """The SwiGLU of a Q8_0 block's 32 outputs, quantised."""
         with kb.if_(u0 < units):
             values = kb.array("act_block", F32, 32)
-            halves = [kb.array(f"{name}_lanes", F32, 32) for name in ("gate", "up")]
-            for p, unit_sums in enumerate(sums):
-                for half, v in zip(halves, unit_sums):
-                    kb.set(half.vec(p * COLS, COLS), v)
+            gate, up = (kb.array(f"{name}_lanes", F32, 32) for name in ("gate", "up"))
+            for p, (g, u) in enumerate(sums):
+                kb.set(gate.vec(p * COLS, COLS), g)
+                kb.set(up.vec(p * COLS, COLS), u)
             with kb.loop("l", 0, 32) as l:
-                values[l] = _swiglu(halves[0][l], halves[1][l])
+                values[l] = _swiglu(gate[l], up[l])
             store_q8_vectors(kb, bufs["act"], act_row(pair) / 32 + u0 * COLS / 32,
                              [kb.let(f"act{h}", values.vec(h, COLS)) for h in (0, COLS)])
 

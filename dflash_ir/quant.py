@@ -276,21 +276,41 @@ def _fifth_bits(bits):
 @dataclass(frozen=True)
 class Dp4Words:
     """How the CPU tiles' integer dot products read a 4-to-6-bit type from its dp4 pack
-    (pack_blocks_cols16_dp4): the block's first `head` and last `tail` bytes are its f16
-    fields, the bytes between 32-bit words; `codes(word, s, q)` makes codes 4q .. 4q+3 of the
+    (pack_blocks_cols16_dp4): the block's first `head` and last `tail` bytes are its fields
+    (f16 scales; Q3_K's and Q6_K's tails also their 8-bit scales), packed as pack_blocks_cols16 packs them,
+    the bytes between as 32-bit words; `codes(word, s, q)` makes codes 4q .. 4q+3 of the
     block's run s of 32 elements (q a constant 0..7, s a constant or an index) as the unsigned
-    bytes of an int, from `word(i)`, the block's i-th word after the head; the code is that
-    byte minus `bias`. Written with
-    & | >> << only, so the same function builds kernel expressions and numpy arrays
-    (tests/test_quant.py checks it against the block decoders)."""
+    bytes of an int, from `word(i)`, the pack block's i-th word; the code is that byte minus
+    `bias`. Written with & | >> << only, so the same function builds kernel expressions and
+    numpy arrays (tests/test_quant.py checks it against the block decoders).
+
+    `order`: the block's words in the order the pack holds them, where the block's own is not
+    the order a run first reads them in; the tail is then packed before the words, so a
+    block is read front to back. A one-row product streams its weight at the speed its
+    access order allows the prefetchers: Q6_K's block order (all of ql, all of qh 2 KB
+    further, scales and d at the end) ran a decode's product at 19 GB/s, read front to back
+    at 31-33, Q3_K's at 15 and 20 GB/s (65536 x 2048 from memory, 2-core EPYC Zen 4; from
+    cache, 4096 rows, within 10% of each other)."""
 
     head: int
     codes: Callable
     bias: int = 0
-    tail: int = 0  # bytes of f16 fields at the block's end (Q6_K's d), packed as the head's
+    tail: int = 0
+    order: tuple[int, ...] = ()
 
     def words(self, dtype: DType) -> int:
         return (dtype.block_bytes - self.head - self.tail) // 4
+
+    @property
+    def fields_first(self) -> int:
+        """Bytes of fields the pack's block holds before its words."""
+        return self.head + (self.tail if self.order else 0)
+
+    def pack_order(self, dtype: DType) -> np.ndarray:
+        """The block's words in the pack's order (all of them)."""
+        order = self.order or range(self.words(dtype))
+        assert sorted(order) == list(range(self.words(dtype))), f"{dtype}: order is not a permutation of its words"
+        return np.array(order)
 
 
 def _low_nibbles(qs: int):
@@ -315,11 +335,27 @@ def _q5_k_codes(word, s, q):
 
 
 def _q6_k_codes(word, s, q):
-    """Q6_K: ql's 128 bytes from word 0 hold runs 0..3 and 4..7 (64 bytes each: byte e of run
-    s at 32 (s & 1) + e, high nibble for s & 2); qh's 64 bytes from word 32 two bits per code
-    (byte e of runs 4 (s >> 2) .. at 32 (s >> 2) + e, bits 2 (s & 3))."""
-    low = (word(16 * (s >> 2) + 8 * (s & 1) + q) >> (4 * ((s >> 1) & 1))) & NIBBLES
-    return low | (((word(32 + 8 * (s >> 2) + q) >> (2 * (s & 3))) & 0x03030303) << 4)
+    """Q6_K in Q6_K_ORDER: ql's bytes e of runs s (low nibble) and s + 2 (high), s & 1 = 0 or
+    1 in the block's half s >> 2, and qh's byte e of that half's four runs (two bits each,
+    2 (s & 3) up); each half is 24 words, ql's word q of the first pair of runs beside qh's
+    word q, then ql's eight words of the second pair."""
+    half = 24 * (s >> 2)
+    low = (word(half + 2 * q + (s & 1) * (16 - q)) >> (4 * ((s >> 1) & 1))) & NIBBLES
+    return low | (((word(half + 2 * q + 1) >> (2 * (s & 3))) & 0x03030303) << 4)
+
+
+def _side_by_side(a: range, b: range) -> tuple[int, ...]:
+    return tuple(w for pair in zip(a, b) for w in pair)
+
+
+# the words in the order the runs of 32 first read them (four codes q at a time): Q3_K's
+# hmask (words 0..7, read by every run) beside qs's first half (8..15), then its second half;
+# Q6_K's halves (runs 0..3, 4..7) one after the other, each its 16 words of ql low nibbles
+# (runs 4h and 4h + 1; the high nibbles are runs 4h + 2 and 4h + 3) with qh's 8 words beside
+# the first 8
+Q3_K_ORDER = (*_side_by_side(range(0, 8), range(8, 16)), *range(16, 24))
+Q6_K_ORDER = (*_side_by_side(range(0, 8), range(32, 40)), *range(8, 16),
+              *_side_by_side(range(16, 24), range(40, 48)), *range(24, 32))
 
 
 def _q2_k_codes(word, s, q):
@@ -329,16 +365,18 @@ def _q2_k_codes(word, s, q):
 
 
 def _q3_k_codes(word, s, q):
-    """Q3_K: qs as Q2_K's from word 8 (byte 32); hmask's 32 bytes from word 0, bit s of byte e
-    as code e's bit 2 (codes are that minus 4)."""
-    return ((word(8 + 8 * (s >> 2) + q) >> (2 * (s & 3))) & 0x03030303) | (((word(q) >> s) & 0x01010101) << 2)
+    """Q3_K in Q3_K_ORDER: qs's byte e of the block's half s >> 2, bits 2 (s & 3) as Q2_K's,
+    and hmask's byte e, bit s as code e's bit 2 (codes are that minus 4); hmask's word q
+    beside qs's word q of the first half, then qs's eight words of the second."""
+    return ((((word(2 * q) >> s) & 0x01010101) << 2)
+            | ((word(2 * q + 1 + (s >> 2) * (15 - q)) >> (2 * (s & 3))) & 0x03030303))
 
 
 DP4_TYPES = {DType.Q4_0: Dp4Words(2, _low_nibbles(0), 8), DType.Q4_1: Dp4Words(4, _low_nibbles(0)),
-             DType.Q2_K: Dp4Words(0, _q2_k_codes, tail=4), DType.Q3_K: Dp4Words(0, _q3_k_codes, 4, tail=2),
+             DType.Q2_K: Dp4Words(0, _q2_k_codes, tail=4), DType.Q3_K: Dp4Words(0, _q3_k_codes, 4, tail=14, order=Q3_K_ORDER),
              DType.Q5_0: Dp4Words(2, _with_qh(1), 16), DType.Q5_1: Dp4Words(4, _with_qh(1)),
              DType.Q4_K: Dp4Words(4, _k_nibbles), DType.Q5_K: Dp4Words(4, _q5_k_codes),
-             DType.Q6_K: Dp4Words(0, _q6_k_codes, 32, tail=2)}
+             DType.Q6_K: Dp4Words(0, _q6_k_codes, 32, tail=18, order=Q6_K_ORDER)}
 
 
 def pack_blocks_cols16(storage: np.ndarray, dtype: DType, out: np.ndarray | None = None) -> np.ndarray:
@@ -363,11 +401,11 @@ def pack_blocks_cols16(storage: np.ndarray, dtype: DType, out: np.ndarray | None
 
 def pack_blocks_cols16_dp4(storage: np.ndarray, dtype: DType, out: np.ndarray | None = None) -> np.ndarray:
     """pack_blocks_cols16 for the integer dot products of the CPU tiles (DP4_TYPES): a block's
-    f16 fields (head and tail) as 16-bit words side by side, as there, and the 32-bit words
+    fields (head and tail) as 16-bit words side by side, as there, and the 32-bit words
     between them side by side, so one 16-wide u32 load holds the same four bytes (four codes'
-    nibbles, or their high bits) of 16 rows' blocks. Every byte of a block stays at 16 times
-    its offset from the block's start, (g * nb + b) * block_bytes * 16 for group g, block b
-    (a multiple of 4)."""
+    nibbles, or their high bits) of 16 rows' blocks. Group g's block b starts at byte
+    (g * nb + b) * block_bytes * 16: its head, its words, its tail, each byte at 16 times its
+    offset in the block; or with an `order`, its head, its tail, its words in that order."""
     layout, nbytes = DP4_TYPES[dtype], dtype.block_bytes
     rows = np.ascontiguousarray(storage, dtype=np.uint8)
     if rows.ndim > 2:
@@ -375,11 +413,17 @@ def pack_blocks_cols16_dp4(storage: np.ndarray, dtype: DType, out: np.ndarray | 
     blocks = rows.reshape(-1, rows.shape[-1] // nbytes, nbytes)                     # [row, b, bytes]
     groups, nb = -(-len(blocks) // COLS), blocks.shape[1]
     out = _groups_out(out, len(blocks), (groups, nb, nbytes * COLS), np.uint8)
-    end = nbytes - layout.tail
-    for start, stop, view in ((0, layout.head, "<u2"), (layout.head, end, "<u4"), (end, nbytes, "<u2")):
-        if stop > start:
-            size = np.dtype(view).itemsize
-            _interleave_rows(np.ascontiguousarray(blocks[..., start:stop]).view(view),
-                             out[..., start * COLS:stop * COLS].view(view).reshape(groups, nb, (stop - start) // size, COLS),
-                             axis=3)
+    head, end = layout.head, nbytes - layout.tail
+    head_fields, tail_fields = (np.ascontiguousarray(f).view("<u2") for f in (blocks[..., :head], blocks[..., end:]))
+    words = np.ascontiguousarray(blocks[..., head:end]).view("<u4")
+    if layout.order:
+        parts = (head_fields, tail_fields, words[..., layout.pack_order(dtype)])
+    else:
+        parts = (head_fields, words, tail_fields)
+    at = 0
+    for part in parts:
+        stop = at + part.shape[-1] * part.itemsize
+        if stop > at:
+            _interleave_rows(part, out[..., at * COLS:stop * COLS].view(part.dtype).reshape(groups, nb, -1, COLS), axis=3)
+        at = stop
     return out.reshape(-1)

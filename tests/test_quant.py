@@ -217,13 +217,19 @@ def test_every_type_of_the_cpu_tiles_has_dp4_words():
 
 @pytest.mark.parametrize("dtype", DP4)
 def test_block_cols16_dp4_packs_f16_fields_and_32_bit_words_where_the_tiles_read_them(dtype):
-    """Row (16 g + lane)'s block b at byte B = (g * nb + b) * bytes * 16: an f16 field at byte
-    f of the head or the tail at B + 16 f + 2 lane, its 32-bit word w (bytes head + 4w ..) at
-    B + 16 head + 64 w + 4 lane."""
+    """Row (16 g + lane)'s block b at byte B = (g * nb + b) * bytes * 16: a 16-bit field at
+    byte f of the head or the tail at B + 16 f' + 2 lane, its 32-bit word w at B + 16 F +
+    64 w' + 4 lane, where f' = f and w' = w and F is the head's bytes in the block's order;
+    with an `order`, the tail follows the head (f' = head + f - tail's start), F is head +
+    tail, and w' is w's place in the order."""
     from dflash_ir.quant import DP4_TYPES, pack_blocks_cols16_dp4
 
     n, nb, nbytes, layout = 21, 3, dtype.block_bytes, DP4_TYPES[dtype]
-    head, tail = layout.head, layout.tail
+    head, tail = layout.head, nbytes - layout.tail
+    fields = {f: f for f in range(0, head, 2)} | {
+        f: head + f - tail if layout.order else f for f in range(tail, nbytes, 2)}
+    places = {w: i for i, w in enumerate(layout.order or range(layout.words(dtype)))}
+    first = head + layout.tail if layout.order else head
     storage = np.random.default_rng(6).integers(0, 256, (n, nb * nbytes), dtype=np.uint8)
     packed = pack_blocks_cols16_dp4(storage, dtype)
     assert packed.size == 32 * nb * nbytes
@@ -232,10 +238,30 @@ def test_block_cols16_dp4_packs_f16_fields_and_32_bit_words_where_the_tiles_read
         for b in range(nb):
             block = storage[row, b * nbytes:(b + 1) * nbytes] if row < n else np.zeros(nbytes, np.uint8)
             at = (g * nb + b) * nbytes * 16
-            for f in [*range(0, head, 2), *range(nbytes - tail, nbytes, 2)]:
-                assert bytes(packed[at + 16 * f + 2 * lane:][:2]) == bytes(block[f:f + 2])
-            for w in range(layout.words(dtype)):
-                assert bytes(packed[at + 16 * head + 64 * w + 4 * lane:][:4]) == bytes(block[head + 4 * w:head + 4 * w + 4])
+            for f, to in fields.items():
+                assert bytes(packed[at + 16 * to + 2 * lane:][:2]) == bytes(block[f:f + 2])
+            for w, to in places.items():
+                assert bytes(packed[at + 16 * first + 64 * to + 4 * lane:][:4]) == bytes(block[head + 4 * w:head + 4 * w + 4])
+
+
+@pytest.mark.parametrize("dtype", [DType.Q3_K, DType.Q6_K])
+def test_a_dp4_pack_with_an_order_is_read_front_to_back(dtype):
+    """The order the tiles first read a block's words in (runs of 32 in order, four codes q
+    at a time) is the pack's: each word first read after the one before it (the fields,
+    packed before them, are read first: each sub-block's scale before its codes)."""
+    from dflash_ir.quant import DP4_TYPES
+
+    words, firsts = DP4_TYPES[dtype], []
+    assert words.order
+
+    def word(i):
+        if i not in firsts:
+            firsts.append(i)
+        return 0
+    for s in range(dtype.block_size // 32):
+        for q in range(8):
+            words.codes(word, s, q)
+    assert firsts == list(range(words.words(dtype)))
 
 
 @pytest.mark.parametrize("dtype", DP4)
@@ -252,6 +278,7 @@ def test_dp4_words_describe_the_block_decoders(dtype):
         blocks[:, f:f + 2] = np.float16([0.5]).view(np.uint8)
     wide = np.ascontiguousarray(blocks[:, words.head:end]).view("<u4").astype(np.int64)  # [n, words]
     assert wide.shape[1] == words.words(dtype)
+    wide = wide[:, words.pack_order(dtype)]  # as the pack holds them
     _, codes, _ = block_parts(blocks, dtype)  # [n, subs, sub]
     codes = codes.reshape(n, -1, 32)  # runs of 32
     for s in range(dtype.block_size // 32):

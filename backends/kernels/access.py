@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
-from dflash_ir.quant import COLS
+from dflash_ir.quant import COLS, Dp4Words
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
@@ -131,21 +131,34 @@ class Cols16Loads(_BlockLoads):
 
 
 class Dp4Loads(Cols16Loads):
-    """Cols16Loads over a quant.pack_blocks_cols16_dp4 pack: the block's f16 fields (its first
-    `head` bytes) as there, every other byte from the 32-bit words side by side after them
-    (the decoders of those types read f16s from the head and bytes past it only)."""
+    """Cols16Loads over a quant.pack_blocks_cols16_dp4 pack of a block of `nbytes` whose words
+    `words` (quant.Dp4Words) describes: the block's fields as there, every other byte from the
+    32-bit words side by side after the fields. The decoders of those types read bytes of
+    the fields and of the words in the block's order; with an `order` (the tail packed first),
+    bytes of the fields only."""
 
-    def __init__(self, buf, block: K, head: int):
+    def __init__(self, buf, block: K, words: Dp4Words, nbytes: int):
         super().__init__(buf, block)
-        self.head = head
+        self.layout, self.tail_at = words, nbytes - words.tail
 
     def word(self, i) -> K:
-        """32-bit word i after the head, 16 lanes."""
-        return self.buf.load(self.block / 2 + self.head * COLS // 4 + i * COLS, "i32", COLS)
+        """The pack block's 32-bit word i, 16 lanes."""
+        return self.buf.load(self.block / 2 + self.layout.fields_first * COLS // 4 + i * COLS, "i32", COLS)
+
+    def _field(self, byte):
+        """Where byte `byte` of the block's fields is in the pack's."""
+        return byte - self.tail_at + self.layout.head if self.layout.order else byte
+
+    def f16(self, byte: int) -> K:
+        assert byte < self.layout.head or byte >= self.tail_at, f"byte {byte} is not in an f16 field"
+        return super().f16(self._field(byte) if byte >= self.tail_at else byte)
 
     def u8(self, byte) -> K:
-        assert not isinstance(byte, int) or byte >= self.head, f"byte {byte} is in the f16 head"
-        at = byte - self.head
+        if self.layout.order:
+            assert not isinstance(byte, int) or byte >= self.tail_at, f"byte {byte} is not in the tail's fields"
+            return super().u8(self._field(byte))
+        assert not isinstance(byte, int) or byte >= self.layout.head, f"byte {byte} is in the f16 head"
+        at = byte - self.layout.head
         return (self.word(at >> 2) >> ((at & 3) * 8)) & 255
 
 

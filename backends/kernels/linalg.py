@@ -822,7 +822,7 @@ def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer
                     kb.set(dot[key], dot[key] - xsum[key[0]] * words.bias)
             _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset, h)
 
-    _q8_x_tile_blocks(kb, dtype, groups, nb, R, firsts, lambda w, at: Dp4Loads(w, at, words.head), body)
+    _q8_x_tile_blocks(kb, dtype, groups, nb, R, firsts, lambda w, at: Dp4Loads(w, at, words, dtype.block_bytes), body)
 
 
 def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[list[K], list[K]]:

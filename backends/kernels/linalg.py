@@ -558,13 +558,15 @@ def _tiles(kb: KernelBuilder, bufs: dict, t: Tiled, M: K, R: int, P: int, items:
     Every output's sum is the same sequence of FMAs whatever R and P are, so a row's result
     does not depend on how many rows share the call (batch invariance). With x in Q8_0 the
     products of a block are summed exactly (integer-valued floats below 2^24, or VPDPBUSD's
-    integers with `dp4`), then scaled by both blocks' scales. The dp4 sums over Q8_0 weights
-    start from the rows' block sums of x (_dp4_tile_sums), which the work-group takes once
-    per R rows into local memory, between barriers."""
+    integers with `dp4`), then scaled by both blocks' scales. The dp4 sums start from, or
+    take, the sums of x's quants per weight sub-block (_dp4_tile_sums, _dp4_block_tile_sums),
+    which the work-group takes once per R rows into local memory, between barriers, instead
+    of every work-item by VPDPBUSD per row and word."""
     u0 = kb.let("u0", (kb.gid(0) * items + kb.lid(0)) * P)
-    x_sums = dp4 and t.weights[0].dtype is DType.Q8_0
-    nb = t.k // DType.Q8_0.block_size
-    sums = kb.array("x_sums", I32, R * nb, scope="local") if x_sums else None
+    dtype = t.weights[0].dtype
+    sub = DType.Q8_0.block_size if dtype is DType.Q8_0 else DECODERS[dtype].sub
+    n_sub = t.k // sub
+    sums = kb.array("x_sums", I32, R * n_sub, scope="local") if dp4 else None
     if sums is None:
         kb.return_if(u0 >= t.units)
     first = kb.let("first", kb.gid(1) * span)
@@ -572,29 +574,33 @@ def _tiles(kb: KernelBuilder, bufs: dict, t: Tiled, M: K, R: int, P: int, items:
         if sums is None:
             _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span)
         else:
-            _x_block_sums(kb, bufs["x"], sums, r0, M, R, nb, items)
+            _x_block_sums(kb, bufs["x"], sums, r0, M, R, n_sub, sub, -128 if dtype is DType.Q8_0 else 1, items)
             kb.barrier()
             with kb.if_(u0 < t.units):
                 _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span, sums)
             kb.barrier()  # before the next rows' sums overwrite these
 
 
-def _x_block_sums(kb: KernelBuilder, x: Buffer, sums: Array, r0: K, M: K, R: int, nb: int, items: int) -> None:
-    """-128 times the sum of the quants of each Q8_0 block of x's rows r0 .. r0+R-1 (rows
-    past M read as row M-1, as the tile reads them) into sums[r * nb + b], the work-group's
-    items taking every items-th."""
-    with kb.loop("i", kb.lid(0), R * nb, items) as i:
-        at = kb.let("x_at", (cast(I64, minimum(r0 + i / nb, M - 1)) * nb + i % nb) * Q8_BLOCK + 2)
+def _x_block_sums(kb: KernelBuilder, x: Buffer, sums: Array, r0: K, M: K, R: int, n_sub: int, sub: int,
+                  factor: int, items: int) -> None:
+    """`factor` times the sum of the quants of each `sub` elements (a Q8_0 block, or half of
+    one) of x's rows r0 .. r0+R-1 (rows past M read as row M-1, as the tile reads them) into
+    sums[r * n_sub + i], the work-group's items taking every items-th."""
+    per_block = DType.Q8_0.block_size // sub
+    with kb.loop("i", kb.lid(0), R * n_sub, items) as i:
+        part = i % n_sub
+        row = cast(I64, minimum(r0 + i / n_sub, M - 1))
+        at = kb.let("x_at", (row * (n_sub // per_block) + part / per_block) * Q8_BLOCK + 2 + part % per_block * sub)
         total = kb.let("x_total", const(0))
-        with kb.loop("e", 0, DType.Q8_0.block_size) as e:
+        with kb.loop("e", 0, sub) as e:
             kb.set(total, total + x.load(at + e, "i8"))
-        sums[i] = total * -128
+        sums[i] = total * factor
 
 
 def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K, dp4: bool,
                block_span: int, x_sums: Array | None = None) -> None:
-    """Rows r0 .. r0+R-1 of the work-item's units (_tiles); `x_sums` those rows' block sums
-    (_x_block_sums) where the dp4 sums over Q8_0 weights need them."""
+    """Rows r0 .. r0+R-1 of the work-item's units (_tiles); `x_sums` those rows' sub-block
+    sums (_x_block_sums) for the dp4 sums."""
     x, w = bufs["x"], bufs["w"]
     dtype = t.weights[0].dtype
     k, nb = t.k, t.k // dtype.block_size
@@ -637,7 +643,10 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     V = F32.vec(COLS)
     G = len(groups)
     if dtype is not DType.Q8_0 and q8_x:
-        (_dp4_block_tile_sums if dp4 else _q8_x_block_tile_sums)(kb, dtype, groups, nb, acc, R, q8_x)
+        if dp4:
+            _dp4_block_tile_sums(kb, dtype, groups, nb, acc, R, q8_x, x_sums)
+        else:
+            _q8_x_block_tile_sums(kb, dtype, groups, nb, acc, R, q8_x)
         return
     if dtype is not DType.Q8_0:
         _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at, block_span)
@@ -744,14 +753,16 @@ def _q8_x_tile_blocks(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K
                       firsts: list[K], reader, body: Callable) -> None:
     """The loops of a Q8_X_TYPES tile over Q8_0 x: weight blocks b, each group's block read
     through `reader(buffer, u16 index of the block)`, and its runs s of 32 elements, each with
-    the Q8_0 block of x it meets: body(blocks, s, xb), xb[r] row r's x block (a byte)."""
+    the Q8_0 block of x it meets: body(blocks, s, xb, run), xb[r] row r's x block (a byte),
+    `run` that block's index from the row's first."""
     runs = dtype.block_size // 32
     with kb.loop("b", 0, nb) as b:
         blocks = [reader(w, kb.let(f"at{j}", base / 2 + b * (dtype.block_bytes // 2 * COLS)))
                   for j, (w, base) in enumerate(groups)]
         with kb.loop("s", 0, runs) as s:
-            xb = [kb.let(f"xb{r}", (firsts[r] + b * runs + s) * Q8_BLOCK) for r in range(R)]
-            body(blocks, s, xb)
+            run = kb.let("run", b * runs + s)
+            xb = [kb.let(f"xb{r}", (firsts[r] + run) * Q8_BLOCK) for r in range(R)]
+            body(blocks, s, xb, run)
 
 
 def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
@@ -765,7 +776,7 @@ def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffe
     x, firsts = q8_x
     halves = 32 // fmt.sub
 
-    def body(blocks, s, xb):
+    def body(blocks, s, xb, _run):
         for h in range(halves):
             scale, offset = _sub_parts(kb, dtype, blocks, s * halves + h, h)
             dot = {key: kb.let(f"dot{key[0]}_{key[1]}_{h}", cast(V, 0.0)) for key in acc}
@@ -787,18 +798,21 @@ ONES = 0x01010101  # VPDPBUSD against bytes of 1: the sum of four signed bytes
 
 
 def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
-                         R: int, q8_x: tuple[Buffer, list[K]]) -> None:
+                         R: int, q8_x: tuple[Buffer, list[K]], x_sums: Array | None = None) -> None:
     """_q8_x_block_tile_sums with VPDPBUSD on a 4-to-6-bit type's dp4 pack
     (quant.pack_blocks_cols16_dp4, read as quant.DP4_TYPES says): per four codes, a 32-bit
     word per lane of their unsigned bytes (masks and shifts of the pack's words, each loaded
     once per run of 32), multiplied with x's signed quants; a code bias (-8, -16, -32) comes
-    off as bias * Σ q_x, that sum taken by the same instruction on bytes of 1."""
+    off as bias * Σ q_x, that sum (also the min's) from `x_sums` (x's sums per sub-block,
+    _x_block_sums) where given, else taken by the same instruction on bytes of 1."""
     I, G = I32.vec(COLS), len(groups)
     words, fmt = DP4_TYPES[dtype], DECODERS[dtype]
     x, firsts = q8_x
     quads = fmt.sub // 4  # quads of codes per sub-block
+    halves = 8 // quads  # sub-blocks per run of 32
+    n_sub = nb * (dtype.block_size // fmt.sub)  # a row's sub-blocks, x_sums' stride
 
-    def body(blocks, s, xb):
+    def body(blocks, s, xb, run):
         loaded = [{} for _ in blocks]  # each group's words of this run, loaded once
 
         def word(j):
@@ -807,14 +821,18 @@ def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer
                     loaded[j][i] = kb.let(f"wd{j}_{len(loaded[j])}", blocks[j].word(i))
                 return loaded[j][i]
             return load
-        for h in range(8 // quads):
-            scale, offset = _sub_parts(kb, dtype, blocks, s * (8 // quads) + h, h)
+        for h in range(halves):
+            scale, offset = _sub_parts(kb, dtype, blocks, s * halves + h, h)
             dot = {key: kb.let(f"dot{key[0]}_{key[1]}_{h}", cast(I, 0)) for key in acc}
-            xsum = [kb.let(f"xsum{r}_{h}", cast(I, 0)) for r in range(R)]
+            if x_sums:
+                xsum = [kb.let(f"xsum{r}_{h}", x_sums[r * n_sub + run * halves + h]) for r in range(R)]
+            else:
+                xsum = [kb.let(f"xsum{r}_{h}", cast(I, 0)) for r in range(R)]
             for q in range(h * quads, (h + 1) * quads):
                 codes = [kb.let(f"c{j}_{q}", words.codes(word(j), s, q)) for j in range(G)]
                 for r in range(R):  # x's word q, broadcast by the instruction (dpbusd_at)
-                    kb.set(xsum[r], dpbusd_at(xsum[r], cast(I, ONES), x, xb[r] + 2 + 4 * q))
+                    if not x_sums:
+                        kb.set(xsum[r], dpbusd_at(xsum[r], cast(I, ONES), x, xb[r] + 2 + 4 * q))
                     for j in range(G):
                         kb.set(dot[r, j], dpbusd_at(dot[r, j], codes[j], x, xb[r] + 2 + 4 * q))
             if words.bias:

@@ -38,6 +38,24 @@ def test_only_products_over_q8_0_x_take_the_dp4_layout_and_vpdpbusd():
         lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu", isa=frozenset({"amx_int8"}))
 
 
+def _tile_sources(name: str) -> dict[str, str]:
+    kernels = lower(_graph(name), "cpu", isa=VNNI).kernels.values()
+    return {k.op: PRINTERS["opencl"].kernel_source(k) for k in kernels if k.op in ("matmul_tiles", "moe_up")}
+
+
+@pytest.mark.parametrize("name", ["matmul_q4_1_q8_x_3_rows", "matmul_q6_k_q8_x_9_rows", "matmul_q8_0_q8_x_20_rows"])
+def test_dense_dp4_tiles_take_x_sums_from_the_work_group(name):
+    """A dense product's rows are the work-group's, so x's sub-block sums (a bias's or a
+    min's Σq, Q8_0's -128 Σq) are taken once into local memory, not by VPDPBUSD on bytes of
+    1 (ONES) per row and word in every work-item; the expert tiles, whose rows differ per
+    expert, keep the instruction."""
+    from dflash_ir.backends.kernels.linalg import ONES
+
+    source = _tile_sources(name)["matmul_tiles"]
+    assert "__local int x_sums" in source and str(ONES) not in source
+    assert str(ONES) in _tile_sources("fused_moe_q8_x")["moe_up"]
+
+
 def test_other_printers_refuse_the_vnni_tiles():
     """They read the dp4 words as the OpenCL printer alone does (a CPU-only layout)."""
     kernel = next(k for k in lower(_graph("matmul_q8_0_q8_x_20_rows"), "cpu", isa=VNNI).kernels.values()

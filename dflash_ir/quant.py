@@ -277,8 +277,9 @@ def _fifth_bits(bits):
 class Dp4Words:
     """How the CPU tiles' integer dot products read a 4-to-6-bit type from its dp4 pack
     (pack_blocks_cols16_dp4): the block's first `head` and last `tail` bytes are its fields
-    (f16 scales; Q3_K's and Q6_K's tails also their 8-bit scales), packed as pack_blocks_cols16 packs them,
-    the bytes between as 32-bit words; `codes(word, s, q)` makes codes 4q .. 4q+3 of the
+    (f16 scales; Q3_K's and Q6_K's tails also their 8-bit scales), packed as
+    pack_blocks_cols16 packs them, the bytes between as 32-bit words; `codes(word, s, q)`
+    makes codes 4q .. 4q+3 of the
     block's run s of 32 elements (q a constant 0..7, s a constant or an index) as the unsigned
     bytes of an int, from `word(i)`, the pack block's i-th word; the code is that byte minus
     `bias`. Written with & | >> << only, so the same function builds kernel expressions and
@@ -289,7 +290,7 @@ class Dp4Words:
     block is read front to back. A one-row product streams its weight at the speed its
     access order allows the prefetchers: Q6_K's block order (all of ql, all of qh 2 KB
     further, scales and d at the end) ran a decode's product at 19 GB/s, read front to back
-    at 31-33, Q3_K's at 15 and 20 GB/s (65536 x 2048 from memory, 2-core EPYC Zen 4; from
+    at 30.5-32.5, Q3_K's at 15 and 20 GB/s (65536 x 2048 from memory, 2-core EPYC Zen 4; from
     cache, 4096 rows, within 10% of each other)."""
 
     head: int
@@ -373,7 +374,8 @@ def _q3_k_codes(word, s, q):
 
 
 DP4_TYPES = {DType.Q4_0: Dp4Words(2, _low_nibbles(0), 8), DType.Q4_1: Dp4Words(4, _low_nibbles(0)),
-             DType.Q2_K: Dp4Words(0, _q2_k_codes, tail=4), DType.Q3_K: Dp4Words(0, _q3_k_codes, 4, tail=14, order=Q3_K_ORDER),
+             DType.Q2_K: Dp4Words(0, _q2_k_codes, tail=4),
+             DType.Q3_K: Dp4Words(0, _q3_k_codes, 4, tail=14, order=Q3_K_ORDER),
              DType.Q5_0: Dp4Words(2, _with_qh(1), 16), DType.Q5_1: Dp4Words(4, _with_qh(1)),
              DType.Q4_K: Dp4Words(4, _k_nibbles), DType.Q5_K: Dp4Words(4, _q5_k_codes),
              DType.Q6_K: Dp4Words(0, _q6_k_codes, 32, tail=18, order=Q6_K_ORDER)}
@@ -424,6 +426,7 @@ def pack_blocks_cols16_dp4(storage: np.ndarray, dtype: DType, out: np.ndarray | 
     for part in parts:
         stop = at + part.shape[-1] * part.itemsize
         if stop > at:
-            _interleave_rows(part, out[..., at * COLS:stop * COLS].view(part.dtype).reshape(groups, nb, -1, COLS), axis=3)
+            into = out[..., at * COLS:stop * COLS].view(part.dtype).reshape(groups, nb, -1, COLS)
+            _interleave_rows(part, into, axis=3)
         at = stop
     return out.reshape(-1)

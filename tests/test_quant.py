@@ -241,7 +241,8 @@ def test_block_cols16_dp4_packs_f16_fields_and_32_bit_words_where_the_tiles_read
             for f, to in fields.items():
                 assert bytes(packed[at + 16 * to + 2 * lane:][:2]) == bytes(block[f:f + 2])
             for w, to in places.items():
-                assert bytes(packed[at + 16 * first + 64 * to + 4 * lane:][:4]) == bytes(block[head + 4 * w:head + 4 * w + 4])
+                word = block[head + 4 * w:head + 4 * w + 4]
+                assert bytes(packed[at + 16 * first + 64 * to + 4 * lane:][:4]) == bytes(word)
 
 
 @pytest.mark.parametrize("dtype", [DType.Q3_K, DType.Q6_K])

@@ -145,18 +145,19 @@ class Dp4Loads(Cols16Loads):
         """The pack block's 32-bit word i, 16 lanes."""
         return self.buf.load(self.block / 2 + self.layout.fields_first * COLS // 4 + i * COLS, "i32", COLS)
 
-    def _field(self, byte):
-        """Where byte `byte` of the block's fields is in the pack's."""
+    def _tail(self, byte):
+        """Where byte `byte` of the block's tail is in the pack's block (after the head, with an
+        order)."""
         return byte - self.tail_at + self.layout.head if self.layout.order else byte
 
     def f16(self, byte: int) -> K:
         assert byte < self.layout.head or byte >= self.tail_at, f"byte {byte} is not in an f16 field"
-        return super().f16(self._field(byte) if byte >= self.tail_at else byte)
+        return super().f16(byte if byte < self.layout.head else self._tail(byte))
 
     def u8(self, byte) -> K:
         if self.layout.order:
             assert not isinstance(byte, int) or byte >= self.tail_at, f"byte {byte} is not in the tail's fields"
-            return super().u8(self._field(byte))
+            return super().u8(self._tail(byte))
         assert not isinstance(byte, int) or byte >= self.layout.head, f"byte {byte} is in the f16 head"
         at = byte - self.layout.head
         return (self.word(at >> 2) >> ((at & 3) * 8)) & 255

@@ -635,11 +635,11 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     row's sums are the same sequence of FMAs whatever R is). `norm_at(i)`: a norm weight folded
     into the weights. `q8_x` (x's buffer in Q8_0 blocks, each row's first block): exact
     integer block sums, scaled by both scales; with `dp4` (the weights in the dp4 layout) the
-    integer sums are VPDPBUSD's (_dp4_tile_sums, from x's block sums `x_sums` where given),
-    the same integers. Another block `dtype` (quant.pack_blocks_cols16's layout) is decoded by
-    _block_tile_sums, `block_span` elements
+    integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers. Another block `dtype`
+    (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, `block_span` elements
     at a time unrolled (the lowering's, for a decode's product; 0: a loop); with `q8_x` by
-    _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack."""
+    _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack. Either dp4 form reads x's
+    sub-block sums from `x_sums` (_x_block_sums) where given."""
     V = F32.vec(COLS)
     G = len(groups)
     if dtype is not DType.Q8_0 and q8_x:

@@ -186,6 +186,9 @@ for _t in (1, 6):  # K = 34 blocks: scale runs of 16 and a tail of two, Q8_0 x Q
 # 19 groups of 16 outputs: the CPU tiles' work-groups of 2 leave one work-item without a group,
 # which still shares the barriers around the block sums of x (the VNNI tiles')
 case("matmul_q8_0_q8_x_idle_work_item", T=20)(_specialised("matmul_q8_0", Q8, "gemv", False, True, 64, 19 * 16))
+# 8 groups of 16 outputs: every tile's groups per work-item (4, 2, 1) divide them, so no
+# work-item's groups are clamped to the last (linalg.clamp_to_last)
+case("matmul_q8_0_q8_x_whole_groups_1_rows", T=1)(_specialised("matmul_q8_0", Q8, "gemv", False, True, 64, 128))
 case("quantize_q8_0_block_runs", T=2)(  # 40 blocks a row: on the CPU a run of 32 and one of 8
     lambda c: c.out(c.b.op("quantize_q8_0", c.x("x", ("T", 1280), scale=4.0))))
 case("quantize_q8_0", T=5)(lambda c: c.out(c.b.op("quantize_q8_0", c.x("x", ("T", 3, 96), scale=4.0))))

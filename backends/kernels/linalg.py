@@ -454,9 +454,14 @@ UNROLL = 4        # the CPU tiles' inner loop unrolled this many times by the de
 WALK_ROWS = 16    # rows a CPU tile's work-item walks at least (a verify block), in tiles of fewer
 # CPU register tiles: (rows, column groups, fewest rows, most rows) per x type (f32, Q8_0):
 # rows x groups vectors of sums (x groups more per block for Q8_0 x) stay in registers;
-# the longest tile serves every count past 16 rows (a prefill) in steps of its rows
+# the longest tile serves every count past 16 rows (a prefill) in steps of its rows. Q8_0 x's
+# 8-row tile takes two groups, though its 16 block sums and 16 sums fill the 32 registers and
+# LLVM spills (each row's x scale, sub-block sums and offsets then serve both, and 16 sums
+# are in flight rather than 8): a 16-row product of 32768 x 4096 from
+# memory took 9.4-11.5 ms against 12.7-13.7 (Q8_0), 10.0-10.7 against 11.1-12.2 (Q4_K) and
+# 13.2 against 14.2-15.8 (Q6_K) with one group (two alternations; 2-core Zen 4)
 TILES = {False: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 4, 3, 4), (8, 2, 5, 8), (16, 1, 9, 1 << 30)),
-         True: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 2, 3, 4), (8, 1, 5, 1 << 30))}
+         True: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 2, 3, 4), (8, 2, 5, 1 << 30))}
 
 
 @dataclass(frozen=True)
@@ -597,6 +602,17 @@ def _x_block_sums(kb: KernelBuilder, x: Buffer, sums: Array, r0: K, M: K, R: int
         sums[i] = total * factor
 
 
+def clamp_to_last(i: K, count: K | int, step: int) -> K:
+    """Index i of a run of `step` from a multiple of `step`, or the last index (count - 1)
+    where such a run can pass it: none can where `count` is a constant that `step` divides.
+    Unclamped, a tile's groups and rows sit at constant strides from its first, which LLVM
+    folds into each load's displacement; clamped, PoCL computed a decode tile's four group
+    addresses in a vector register and extracted them per load (a one-row Q4_K product from
+    cache 12% slower); a verify tile's rows are the same case (8 row offsets)."""
+    size = count if isinstance(count, int) else count.arg if count.op == "const" else None
+    return i if size is not None and size % step == 0 else minimum(i, count - 1)
+
+
 def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K, dp4: bool,
                block_span: int, x_sums: Array | None = None) -> None:
     """Rows r0 .. r0+R-1 of the work-item's units (_tiles); `x_sums` those rows' sub-block
@@ -606,10 +622,10 @@ def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0
     k, nb = t.k, t.k // dtype.block_size
     x_q8 = t.x.dtype is DType.Q8_0
     V = F32.vec(COLS)
-    rows = [kb.let(f"xr{r}", cast(I64, minimum(r0 + r, M - 1))) for r in range(R)]
+    rows = [kb.let(f"xr{r}", cast(I64, clamp_to_last(r0 + r, M, R))) for r in range(R)]
     # the work-item's groups: unit u is group u, or gate group u and up group u + starts[1]
     slots = [(p, m) for p in range(P) for m in ((0, 1) if t.swiglu else (0,))]
-    group = [minimum(u0 + p, t.units - 1) + (t.starts[1] if m else 0) for p, m in slots]
+    group = [clamp_to_last(u0 + p, t.units, P) + (t.starts[1] if m else 0) for p, m in slots]
     base = [kb.let(f"wg{j}", cast(I64, g) * group_bytes(dtype, k)) for j, g in enumerate(group)]
     G = len(slots)
     inv = [inverse_rms_lanes(kb, x, rows[r] * k, k, t.norm[1], name=f"ss{r}") for r in range(R)] if t.norm else []

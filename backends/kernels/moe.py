@@ -51,7 +51,7 @@ from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import SIGMOID, weight_at
 from .fused import fused_moe_parts
-from .linalg import (COLS, ROWWISE_COLS, Gemv, _gemv, _rowwise, dp4_tiles, group_bytes, rowwise_groups,
+from .linalg import (COLS, ROWWISE_COLS, Gemv, _gemv, _rowwise, clamp_to_last, dp4_tiles, group_bytes, rowwise_groups,
                      store_q8_vectors, tile_sums, tiled)
 from .shapes import cdiv, pow2_threads, prod
 
@@ -102,6 +102,11 @@ class Bank:
     def whole(self) -> bool:
         """Every expert's outputs fill whole groups."""
         return self.n % COLS == 0 and (self.shared is None or self.shared[0] % COLS == 0)
+
+    @property
+    def uniform(self) -> bool:
+        """Every expert, the shared one too, has `units` groups."""
+        return self.shared is None or _groups(self.shared[0]) == _groups(self.n)
 
     def _pick(self, e: K, routed: int, shared: int) -> K | int:
         if self.shared is None or routed == shared:
@@ -208,7 +213,8 @@ def _expert_tiles(ctx: NodeCtx, op: str, job: Products, per: int,
         R, pre = len(qs), f"t{len(qs)}_"
         gp = [kb.let(f"{pre}pair{r}", p0 + q) for r, q in enumerate(qs)]
         xo = [kb.let(f"{pre}xo{r}", xrow(g)) for r, g in enumerate(gp)]
-        groups = [(w, kb.let(f"{pre}wg{p}_{m}", bank.group_at(ex, minimum(u0 + p, units - 1))))
+        last = bank.units if bank.uniform else units  # a constant, or this expert's groups
+        groups = [(w, kb.let(f"{pre}wg{p}_{m}", bank.group_at(ex, clamp_to_last(u0 + p, last, per))))
                   for p in range(per) for m, w in enumerate(ws)]
         acc = {(r, j): kb.let(f"{pre}acc{r}_{j}", cast(V, 0.0)) for r in range(R) for j in range(len(groups))}
         tile_sums(kb, groups, nb, acc, R, lambda r, i: xb[xo[r] + i], q8_x=(xb, [o / 32 for o in xo]) if x_q8 else None,

@@ -272,14 +272,23 @@ class Bench:
             self.say(f"  llama.cpp skipped: {peer}")
         for m in models:
             self.say(f"  model {m.name}: {m.description}")
+            n = self.args.max_tokens
             runs = [(label, lambda backend=backend, numerics=numerics: scale_suite.run_scale(
-                        backend, m, self.work / "scale", numerics=numerics)) for backend, numerics, label in self.runs(backends)]
-            runs += [] if peer else [("llama.cpp", lambda: scale_suite.run_llama_cpp_scale(m))]
-            for engine, run in runs:
-                row = self.attempt(f"scale/{engine}/{m.name}", run)
-                if row:
-                    self.results.scale.append(row.to_dict())
-                    self.say(f"  {m.name:10s} {engine:10s} {scale_line(row)}")
+                        backend, m, self.work / "scale", max_tokens=n, numerics=numerics))
+                    for backend, numerics, label in self.runs(backends)]
+            runs += [] if peer else [("llama.cpp", lambda: scale_suite.run_llama_cpp_scale(m, max_tokens=n))]
+            rows = []
+            for repeat in range(self.args.repeats):  # the engines alternate, each run in processes of its own
+                for engine, run in runs:
+                    row = self.attempt(f"scale/{engine}/{m.name}", run)
+                    if row:
+                        rows.append(row.to_dict() | {"repeat": repeat})
+                        self.say(f"  {m.name:10s} {engine:10s} {scale_line(row)}")
+            self.results.scale += rows
+            for s in scale_suite.decode_against_peer(rows):
+                if s["ratios"]:
+                    self.say(f"  {m.name:10s} {s['engine']:10s} decode / llama.cpp's, same alternation: "
+                             + ", ".join(f"{x:.2f}" for x in s["ratios"]) + f" (median {s['median_ratio']:.2f})")
 
     def run(self) -> Results:
         suites = self.args.suites.split(",")
@@ -340,12 +349,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated numerics modes the e2e, tau, serve and scale suites compile each pair in "
                         "(exact, q8; default: each backend's, as dflash-compile's); runs other than exact are "
                         "labelled BACKEND/MODE")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per end-to-end run (default 32)")
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="tokens generated per end-to-end or scale run (default 32)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="times the scale suite runs each engine, alternating them (default 1); with llama.cpp, "
+                        "each of our decode figures is compared with its own in the same alternation")
     p.add_argument("--taus", type=_taus, default=tau_suite.TAUS,
                    help="acceptance lengths of the tau suite, e.g. 1,6,16 or 1-16 (default 1-16; --quick: 1,6,16)")
     p.add_argument("-o", "--out", default="bench-results", help="folder for results.json, results.md, *.png")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed measurements")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.quick and args.max_tokens == 32:
         args.max_tokens = 16
     if args.quick and args.taus == tau_suite.TAUS:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .scale import decode_against_peer
+
 
 @dataclass
 class Results:
@@ -140,6 +142,14 @@ def markdown(r: Results) -> str:
                          f"{x['warm_load_s']:.1f}", _gb(x["peak_rss_bytes"]),
                          f"{x['rss_over_need']:.2f}" if x["rss_over_need"] is not None else "",
                          f"{x['prefill_tps']:.2f}", f"{x['decode_tps']:.2f}", _steps(x)] for x in r.scale]), ""]
+        against = [s for s in decode_against_peer(r.scale) if s["ratios"]]
+        if against:
+            out += ["Decode against llama.cpp's in the same alternation (the engines alternate, `--repeats`):", "",
+                    _table(["model", "engine", "decode tok/s", "llama.cpp decode tok/s", "ratios", "median ratio"],
+                           [[s["model"], s["engine"], ", ".join(f"{x:.2f}" for x in s["decode_tps"]),
+                             ", ".join(f"{x:.2f}" for x in s["peer_decode_tps"]),
+                             ", ".join(f"{x:.2f}" for x in s["ratios"]), f"{s['median_ratio']:.2f}"]
+                            for s in against]), ""]
     if r.failures:
         out += ["## Failures", ""] + [f"- {f['where']}: {f['error']}" for f in r.failures] + [""]
     return "\n".join(out)

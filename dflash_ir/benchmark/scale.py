@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -52,6 +53,26 @@ class ScaleResult:
         return {**asdict(self), "rss_over_need": self.rss_over_need}
 
 
+def decode_against_peer(rows: Sequence[dict]) -> list[dict]:
+    """Per model and engine of ours: decode tok/s over the alternations (each row's `repeat`),
+    each over llama.cpp's in the same alternation, and those ratios' median. This machine's
+    memory bandwidth moves between runs minutes apart, so one pair of runs can put either
+    engine ahead; the median of same-alternation ratios is the figure to quote."""
+    def is_peer(r: dict) -> bool:
+        return r["engine"].startswith("llama.cpp")
+
+    peer = {(r["model"], r.get("repeat", 0)): r["decode_tps"] for r in rows if is_peer(r)}
+    out = []
+    for model, engine in dict.fromkeys((r["model"], r["engine"]) for r in rows if not is_peer(r)):
+        ours = [r for r in rows if (r["model"], r["engine"]) == (model, engine)]
+        theirs = [peer.get((model, r.get("repeat", 0))) for r in ours]
+        ratios = [r["decode_tps"] / t for r, t in zip(ours, theirs) if t]
+        out.append({"model": model, "engine": engine, "decode_tps": [r["decode_tps"] for r in ours],
+                    "peer_decode_tps": [t for t in theirs if t],
+                    "ratios": ratios, "median_ratio": statistics.median(ratios) if ratios else None})
+    return out
+
+
 def evict(paths: Sequence[Path]) -> None:
     """Drop `paths`' pages from the page cache (clean pages no process maps: ours are)."""
     for p in paths:
@@ -63,7 +84,7 @@ def evict(paths: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def run_scale(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: int = 8,
+def run_scale(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: int,
               numerics: str = "exact") -> ScaleResult:
     """Compile `model` for `backend` in `numerics` (timed, once per work folder), then a cold
     load and a warm load + run, each in a child process."""
@@ -84,7 +105,7 @@ def run_scale(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: in
                        warm["prefill_tps"], warm["decode_tps"], warm["generated_tokens"], warm["verify16_steps"])
 
 
-def run_llama_cpp_scale(model: BenchModel, *, max_tokens: int = 8) -> ScaleResult:
+def run_llama_cpp_scale(model: BenchModel, *, max_tokens: int) -> ScaleResult:
     """llama.cpp on the target alone: a cold load, then a warm load + run (its child process)."""
     from .peer import run_llama_cpp, run_llama_cpp_load
 

@@ -228,11 +228,16 @@ def test_serve_suite_batches_the_verify_blocks_of_concurrent_requests(tmp_path):
 def test_scale_suite_measures_compile_loads_memory_and_speed_in_processes_of_their_own(tmp_path):
     out = tmp_path / "out"
     backend = "opencl" if "opencl" in _cpu_backends() else "numpy"
-    assert cli.main(["--quick", "-b", backend, "--suites", "scale", "--models", "synthetic", "-o", str(out)]) == 0
+    assert cli.main(["--quick", "-b", backend, "--suites", "scale", "--models", "synthetic", "--repeats", "2",
+                     "-o", str(out)]) == 0
     r = json.loads((out / "results.json").read_text())
     assert r["failures"] == []
     model = synthetic_model(small=True)
-    rows = {x["engine"].split()[0]: x for x in r["scale"]}
+    engines = list(dict.fromkeys(x["engine"] for x in r["scale"]))
+    assert [(x["engine"], x["repeat"]) for x in r["scale"]] == [(e, i) for i in range(2) for e in engines]  # alternating
+    ours_each = [x for x in r["scale"] if x["engine"].split("/")[0] == backend]
+    assert [x["compile_s"] is not None for x in ours_each] == [True, False]  # compiled once
+    rows = {x["engine"].split()[0]: x for x in r["scale"] if x["repeat"] == 0}
     ours = rows[backend]
     assert ours["file_bytes"] == model.target.stat().st_size + model.draft.stat().st_size
     assert ours["compile_s"] > 0 and ours["cold_load_s"] > 0 and ours["warm_load_s"] > 0
@@ -243,7 +248,31 @@ def test_scale_suite_measures_compile_loads_memory_and_speed_in_processes_of_the
         theirs = rows["llama.cpp"]
         assert theirs["compile_s"] is None and theirs["state_bytes"] is None
         assert theirs["file_bytes"] == model.target.stat().st_size and theirs["peak_rss_bytes"] > theirs["file_bytes"]
+        assert "Decode against llama.cpp's in the same alternation" in (out / "results.md").read_text()
     assert "## Scale: compile, load, memory and speed" in (out / "results.md").read_text()
+
+
+def test_decode_is_compared_with_llama_cpps_of_the_same_alternation():
+    from dflash_ir.benchmark.scale import decode_against_peer
+
+    def row(engine, model, repeat, tps):
+        return {"engine": engine, "model": model, "repeat": repeat, "decode_tps": tps}
+
+    rows = [row("opencl/q8", "a", 0, 6.0), row("llama.cpp 0.3", "a", 0, 5.0),
+            row("opencl/q8", "a", 1, 4.0), row("llama.cpp 0.3", "a", 1, 5.0),
+            row("opencl/q8", "a", 2, 9.0), row("llama.cpp 0.3", "a", 2, 6.0),
+            row("opencl/q8", "b", 0, 3.0)]  # no llama.cpp run of model b
+    a, b = decode_against_peer(rows)
+    assert (a["model"], a["engine"], a["decode_tps"], a["peer_decode_tps"]) == ("a", "opencl/q8", [6.0, 4.0, 9.0],
+                                                                                [5.0, 5.0, 6.0])
+    assert a["ratios"] == pytest.approx([1.2, 0.8, 1.5]) and a["median_ratio"] == pytest.approx(1.2)
+    assert b["ratios"] == [] and b["median_ratio"] is None
+
+
+def test_repeats_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--suites", "scale", "--repeats", "0"])
+    assert exit_.value.code == 2 and "--repeats must be at least 1, not 0" in capsys.readouterr().err
 
 
 def test_evict_drops_a_file_from_the_page_cache(tmp_path):

@@ -98,11 +98,8 @@ def test_tile_rows_are_clamped_only_where_a_tile_can_run_past_the_last_row(isa):
 
 def test_a_verify_tile_sums_eight_rows_of_two_groups():
     """linalg.TILES: Q8_0 x's tile for 5 or more rows keeps 8 rows x 2 groups of sums (16-row
-    products 7-31% faster than with one group, measured there)."""
-    from dflash_ir.backends.kernels.linalg import TILES
-
+    products 4-31% faster than with one group, measured there)."""
     source = _tile_sources("matmul_q8_0_q8_x_20_rows")["matmul_tiles"]
-    assert TILES[True][-1][:2] == (8, 2)
     assert "acc7_1" in source and "acc8_0" not in source and "acc0_2" not in source
 
 

@@ -190,7 +190,10 @@ def test_a_buffer_collected_mid_batch_is_destroyed_at_the_next_call(device):
 
 def test_buffers_collected_in_another_thread_and_under_gc_pressure(device):
     """The collector runs at any allocation, in any thread: a second thread drops cyclic
-    buffers while the main one runs batches with gc thresholds at their lowest."""
+    buffers while the main one runs batches with gc thresholds at their lowest. The heap the
+    suite has built by then is frozen out of the collector's sweeps (gc.freeze): it was what
+    each collection walked (9 minutes in one `make test`, seconds alone), and none of it is
+    the test's."""
     stop = threading.Event()
 
     def churn():
@@ -201,6 +204,8 @@ def test_buffers_collected_in_another_thread_and_under_gc_pressure(device):
 
     thresholds = gc.get_threshold()
     worker = threading.Thread(target=churn)
+    gc.collect()
+    gc.freeze()
     gc.set_threshold(1, 1, 1)
     worker.start()
     try:
@@ -212,6 +217,7 @@ def test_buffers_collected_in_another_thread_and_under_gc_pressure(device):
         stop.set()
         worker.join()
         gc.set_threshold(*thresholds)
+        gc.unfreeze()
     gc.collect()
     device.synchronize()
     assert device.awaiting_destruction == 0

@@ -126,7 +126,7 @@ class TVMLLVMBackend(TVMBackend):
         from .build import host_llvm
 
         self.require_tvm()
-        plan, kernels = lower(graph)
+        plan, kernels = lower(graph, "cpu")
         tuned = []
         if self.tune_s is not None:  # one budget for every program this backend compiles
             self._tune_until = self._tune_until or time.monotonic() + self.tune_s

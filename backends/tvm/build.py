@@ -64,8 +64,10 @@ def build_llvm(kernels: Mapping[str, PrimKernel], tuned: Sequence[Tuned] = ()) -
         funcs = {}
         with target:
             for name, k in kernels.items():
-                if k.cpu_body:  # its buffers are distinct values: noalias lets LLVM keep sums in registers
-                    func = tvm.script.from_source(k.script(cpu=True)).with_attr("tirx.noalias", True)
+                if k.cpu_body:
+                    func = tvm.script.from_source(k.script(cpu=True))
+                    if k.noalias:  # lets LLVM keep the partial sums in registers
+                        func = func.with_attr("tirx.noalias", True)
                     funcs[name] = func.with_attr("tirx.is_scheduled", True)
                     continue
                 func = tvm.script.from_source(k.script())

@@ -1,4 +1,8 @@
-"""Hand-scheduled TensorIR for the llvm target: the Q8_0 product as an explicit loop nest.
+"""Hand-scheduled TensorIR for the llvm target: the Q8_0 and f32-weight products, the Q8_0
+expert products, attention and the gated delta rule as explicit loop nests (dlight's CPU
+rules ran them 16-80x, 29-52x, 14-84x and 12-29x behind the native OpenCL kernels here).
+
+The Q8_0 product:
 
 dlight's CPU GEMV rule sees one reduction over K whose every element decodes its block's
 f16 scale again, and vectorises nothing; this nest is what the product needs on a CPU with
@@ -11,70 +15,81 @@ wide vectors (AVX-512 here: 16 f32 lanes, one 32-quant block is two vectors):
 - those dequantised vectors then serve every row of a pass (up to 16 rows: a DFlash
   verify block) each keeping LANES partial sums per column in registers, so a weight is
   read and decoded once per pass, not once per row; fewer rows take more columns per
-  task (PASSES), one row (decode) four, to keep several weight streams in flight.
+  task (PASSES), one row (decode) eight, to keep several weight streams in flight.
 
-The partial sums are reduced across lanes at the end of each column. The interpreter and
+The partial sums are reduced across lanes at the end of each column (a halving fold). The interpreter and
 the native kernels sum in other orders: results agree to rounding (tests/kernel_cases.py).
 """
 from __future__ import annotations
 
+from dflash_ir.dtypes import DType
 from dflash_ir.types import Dim
+
+from .tir import f32
 
 LANES = 16  # f32 lanes of one AVX-512 vector
 # (rows per pass, columns per task): a pass keeps rows x columns vectors of partial sums in
-# registers (16 of AVX-512's 32); a product takes the most rows per pass that its rows fill
-PASSES = ((8, 2), (4, 4), (2, 4), (1, 4))
+# registers (16 of AVX-512's 32); a product takes the most rows per pass that its rows fill.
+# One row takes 8 columns: a decode GEMV from memory ran at 16-19 GB/s with 4, 20-22 with 8
+# (8192 x 2048 and 12288 x 4096, alternated in one process; 16 no better)
+PASSES = ((8, 2), (4, 4), (2, 4), (1, 8))
 
 
-def _nest(rows: int, cols: int, m: str, n: int, k: int) -> list[str]:
-    """Loop nest lines for passes of `rows` rows (m >= rows) over `cols` columns per task.
-    The last pass starts at m - rows, recomputing some rows of the one before (the same
-    values): every row of a pass is real, so its x rows sit at constant offsets from one
-    pointer. Each row's partial sums are a small buffer of its own, rows unrolled here:
-    TVM 0.27 makes a "global" buffer under 1 KiB inside a parallel loop a stack array of
-    the task (a "local" one is a heap workspace per iteration), which LLVM keeps in registers."""
-    blocks, stride = k // 32, k // 32 * 34
-    first = f"T.min(r0 * {rows}, {m} - {rows})"
-    at = f"(cg * {cols} + c) * {stride} + b * 34"
-    scale = (f'T.Cast("float32", T.reinterpret("float16", T.bitwise_or(T.Cast("uint16", w[{at}]), '
-             f'T.shift_left(T.Cast("uint16", w[{at} + 1]), T.uint16(8)))))')
-    quant = f'T.Cast("float32", T.reinterpret("int8", w[{at} + 2 + h * {LANES} + l]))'
+def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, f32_weights: bool) -> list[str]:
+    """Lines of one pass over `cols` weight columns (from row w_first + cg * cols of w) serving
+    `rows` rows: output row `row(r)` reads x's row `x_row(row(r))`. Each row's partial sums
+    are a small buffer of its own, rows unrolled here: TVM 0.27 makes a "global" buffer
+    under 1 KiB inside a parallel loop a stack array of the task (a "local" one is a heap
+    workspace per iteration), which LLVM keeps in registers. `f32_weights`: w holds f32 rows
+    (a router's, a gate's), read in the same 32-element steps."""
+    blocks = k // 32
+    column = f"{w_first}cg * {cols} + c"
+    if f32_weights:
+        weight = f"w[({column}) * {k} + b * 32 + h * {LANES} + l]"
+    else:
+        at = f"({column}) * {blocks * 34} + b * 34"
+        scale = (f'T.Cast("float32", T.reinterpret("float16", T.bitwise_or(T.Cast("uint16", w[{at}]), '
+                 f'T.shift_left(T.Cast("uint16", w[{at} + 1]), T.uint16(8)))))')
+        weight = f'{scale} * T.Cast("float32", T.reinterpret("int8", w[{at} + 2 + h * {LANES} + l]))'
 
     def acc(r: int) -> str:
         return f"acc{r}[c * {LANES} + l]"
 
-    def out(r: int) -> str:
-        return f"out[({first} + {r}) * {n} + cg * {cols} + c]"
-
-    lines = [f"for cg in T.parallel({n // cols}):",
-             f"    for r0 in range(({m} + {rows - 1}) // {rows}):",
-             f'        wq = T.alloc_buffer(({LANES},), "float32", scope="global")',
-             f'        lanes = T.alloc_buffer(({LANES},), "float32", scope="global")']
-    lines += [f'        acc{r} = T.alloc_buffer(({cols * LANES},), "float32", scope="global")' for r in range(rows)]
-    lines += [f"        for c in T.unroll({cols}):", f"            for l in T.vectorized({LANES}):"]
-    lines += [f"                {acc(r)} = T.float32(0)" for r in range(rows)]
-    lines += [f"        for b in range({blocks}):",
-              f"            for c in T.unroll({cols}):",
-              "                for h in T.unroll(2):",
-              f"                    for l in T.vectorized({LANES}):",
-              f"                        wq[l] = {scale} * {quant}",
-              f"                    for l in T.vectorized({LANES}):"]
-    lines += [f"                        {acc(r)} = {acc(r)} + x[({first} + {r}) * {k} + b * 32 + h * {LANES} + l] * wq[l]"
+    lines = [f'wq = T.alloc_buffer(({LANES},), "float32", scope="global")',
+             f'lanes = T.alloc_buffer(({LANES},), "float32", scope="global")']
+    lines += [f'acc{r} = T.alloc_buffer(({cols * LANES},), "float32", scope="global")' for r in range(rows)]
+    lines += [f"for c in T.unroll({cols}):", f"    for l in T.vectorized({LANES}):"]
+    lines += [f"        {acc(r)} = T.float32(0)" for r in range(rows)]
+    lines += [f"for b in range({blocks}):", f"    for c in T.unroll({cols}):", "        for h in T.unroll(2):",
+              f"            for l in T.vectorized({LANES}):", f"                wq[l] = {weight}",
+              f"            for l in T.vectorized({LANES}):"]
+    lines += [f"                {acc(r)} = {acc(r)} + x[({x_row(row(r))}) * {k} + b * 32 + h * {LANES} + l] * wq[l]"
               for r in range(rows)]
-    lines += [f"        for c in T.unroll({cols}):"]
+    lines += [f"for c in T.unroll({cols}):"]
     for r in range(rows):  # lanes summed through a buffer of their own: acc's stay whole vectors
-        lines += [f"            for l in T.vectorized({LANES}):", f"                lanes[l] = {acc(r)}",
-                  f"            {out(r)} = T.float32(0)", f"            for l in T.unroll({LANES}):",
-                  f"                {out(r)} = {out(r)} + lanes[l]"]
+        lines += [f"    for l in T.vectorized({LANES}):", f"        lanes[l] = {acc(r)}",
+                  *_indent(_vector_fold("lanes", LANES, "+"), 1),
+                  f"    out[({row(r)}) * {n} + cg * {cols} + c] = lanes[0]"]
     return lines
 
 
-def q8_product(m: str, n: Dim, k: Dim) -> str | None:
-    """PrimFunc body computing out[m, n] = x[m, k] @ w[n, k]ᵀ with w in Q8_0 blocks, or None
-    when the shape is not one the nest covers (symbolic N or K)."""
-    if not isinstance(n, int) or not isinstance(k, int):
+def _nest(rows: int, cols: int, m: str, n: int, k: int, f32_weights: bool) -> list[str]:
+    """Loop nest lines for passes of `rows` rows (m >= rows) over `cols` columns per task.
+    The last pass starts at m - rows, recomputing some rows of the one before (the same
+    values): every row of a pass is real, so its x rows sit at constant offsets from one
+    pointer."""
+    first = f"T.min(r0 * {rows}, {m} - {rows})"
+    return [f"for cg in T.parallel({n // cols}):", f"    for r0 in range(({m} + {rows - 1}) // {rows}):",
+            *_indent(_pass(rows, cols, n, k, lambda r: f"{first} + {r}", lambda row: row, "", f32_weights), 2)]
+
+
+def product_nest(m: str, n: Dim, k: Dim, dtype: DType) -> str | None:
+    """PrimFunc body computing out[m, n] = x[m, k] @ w[n, k]ᵀ with w in Q8_0 blocks or f32
+    rows, or None when the nest does not cover it (another dtype, symbolic N or K, K not a
+    multiple of 32)."""
+    if dtype not in (DType.Q8_0, DType.F32) or not isinstance(n, int) or not isinstance(k, int) or k % 32:
         return None
-    variants = [(rows, _nest(rows, cols if n % cols == 0 else 1, m, n, k)) for rows, cols in PASSES]
+    variants = [(rows, _nest(rows, _columns(cols, n), m, n, k, dtype is DType.F32)) for rows, cols in PASSES]
     if m.isdigit():  # rows fixed at compile time
         return "\n".join(_indent(next(nest for rows, nest in variants if int(m) >= rows), 1)) + "\n"
     lines = []
@@ -83,5 +98,194 @@ def q8_product(m: str, n: Dim, k: Dim) -> str | None:
     return "\n".join(_indent(lines + ["else:", *_indent(variants[-1][1], 1)], 1)) + "\n"
 
 
+def expert_q8_product(m: str, n: int, k: int, slots: str, per_token: bool) -> str:
+    """PrimFunc body computing out[p, n] = x[p // slots or p, k] @ w[ids[p]]ᵀ with Q8_0 experts
+    w[E, n, k]: one-row passes, each output row reading its own expert's rows. (Grouping the
+    rows by expert first, so that an expert's columns serve all its rows in one pass, ran
+    no faster at 16 rows and 1.5x slower at one: the experts' weights are streamed either way.)"""
+    cols = _columns(PASSES[-1][1], n)
+    x_row = (lambda row: f"({row}) // {slots}") if per_token else (lambda row: row)
+    lines = [f"for cg in T.parallel({n // cols}):", f"    for p in range({m}):",
+             *_indent(_pass(1, cols, n, k, lambda r: "p", x_row, f"ids[p] * {n} + ", False), 2)]
+    return "\n".join(_indent(lines, 1)) + "\n"
+
+
+def _columns(most: int, n: int) -> int:
+    """Columns per task: the most, at most `most`, that divide n."""
+    return next(c for c in (most, 4, 2, 1) if c <= most and n % c == 0)
+
+
 def _indent(lines: list[str], levels: int) -> list[str]:
     return ["    " * levels + s for s in lines]
+
+
+def _lanes(n: int) -> int:
+    """The widest vector (at most LANES f32) that divides a row of n."""
+    return next(w for w in (LANES, 8, 4, 2, 1) if n % w == 0)
+
+
+ATTENTION_ROWS = 8  # query rows a task takes: each block of keys is read once for them all
+KEYS = LANES         # keys a step takes: their scores, weights and exps are one vector
+
+
+def exp_nonpositive(x: str) -> str:
+    """e^x for x <= 0 (TIR's exp is a libm call per element: this one vectorises): x = n ln2 + f
+    with |f| <= ln2/2 (ln2 in two parts, Cody-Waite), e^f by its Taylor series to f^7
+    (relative error below 2e-7), times 2^n made from its exponent bits; x below -87 (e^x
+    < 2^-125) is taken as -87."""
+    x = f"T.max({x}, T.float32(-87.0))"
+    n = f"T.floor({x} * T.float32(1.4426950408889634) + T.float32(0.5))"
+    f = f"({x} - {n} * T.float32(0.693145751953125) - {n} * T.float32(1.4286067653302226e-06))"
+    series = "T.float32(1.0 / 5040)"
+    for k in (720, 120, 24, 6, 2, 1, 1):
+        series = f"(T.float32({1.0 / k!r}) + {f} * {series})"
+    power = f'T.reinterpret("float32", T.shift_left(T.Cast("int32", {n}) + 127, 23))'
+    return f"{series} * {power}"
+
+
+def _vector_fold(buf: str, lanes: int, op: str) -> list[str]:
+    """Lines leaving op (T.max, or "+") over buf[0:lanes] in buf[0], halving the vector each step."""
+    lines = []
+    while lanes > 1:
+        lanes //= 2
+        both = f"{buf}[l] + {buf}[l + {lanes}]" if op == "+" else f"{op}({buf}[l], {buf}[l + {lanes}])"
+        lines += [f"for l in T.vectorized({lanes}):", f"    {buf}[l] = {both}"]
+    return lines
+
+
+def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: float, causal: bool,
+                   window: int) -> str:
+    """PrimFunc body: out = softmax(q kᵀ scale, masked) v over the first min(kv_len, cap) cache
+    rows, online (one pass over K and V, a running max and sum per query row and head).
+
+    A task is a KV head and a block of ATTENTION_ROWS query rows; it walks its rows' visible
+    keys (kv_len is read in the kernel, so one kernel serves every cache fill) in steps of
+    KEYS at multiples of KEYS (so a row's sums do not depend on the rows beside it: batch
+    invariance), and each step's keys and values, read once, serve every query head of the
+    group in every row of the block. Per row and head, a step makes its keys' scores (the dot
+    products in two chains of FMAs each), rescales the running sums once if the step
+    raised the max, takes the exps as one vector (exp_nonpositive), and adds the weighted
+    values into registers, four slices of the output side by side (one slice at a time
+    chained every key's FMA to the last: 3x slower). Keys a row's mask hides are never read
+    (an unfilled cache row may hold anything: a weight of 0 times it could be NaN)."""
+    group, rows = hq // hkv, ATTENTION_ROWS
+    heads = rows * group
+    ld, lv = _lanes(d), _lanes(dv)
+    blocks = f"(({t} + {rows - 1}) // {rows})"
+    first = f"task % {blocks} * {rows}"
+    kvh = f"task // {blocks}"
+    row = f"{first} + r"
+    slot = f"r * {group} + g"
+    q_at = f"(({row}) * {hq} + {kvh} * {group} + g) * {d}"
+    k_at = f"(j * {hkv} + {kvh}) * {d}"
+    # keys visible to a row: [its_lo, its_hi); to the task: [lo, hi)
+    row_hi = f"T.min(n, n - {t} + {row} + 1)" if causal else "n"
+    row_lo = f"T.max(n - {t} + {row} - {window} + 1, 0)" if window else "0"
+    last = f"T.min({first} + {rows - 1}, {t} - 1)"
+    hi = f"T.min(n, n - {t} + {last} + 1)" if causal else "n"
+    lo = f"T.max(n - {t} + {first} - {window} + 1, 0)" if window else "0"
+    chunks = d // ld
+    chains = 2 if chunks % 2 == 0 else 1  # independent sums per dot product (FMA latency)
+    ways = next(w for w in (4, 2, 1) if dv // lv % w == 0)  # output slices summed side by side
+    dot = [line for a in range(chains) for line in
+           (f"for l in T.vectorized({ld}):", f"    dot{a}[l] = q[{q_at} + {a * ld} + l] * k[{k_at} + {a * ld} + l]")]
+    if chunks > chains:
+        dot += [f"for c in range(1, {chunks // chains}):"]
+        for a in range(chains):
+            at = f"(c * {chains} + {a}) * {ld} + l"
+            dot += [f"    for l in T.vectorized({ld}):", f"        dot{a}[l] = dot{a}[l] + q[{q_at} + {at}] * k[{k_at} + {at}]"]
+    both = " + ".join(f"dot{a}[l]" for a in range(chains))
+    dot += [f"for l in T.vectorized({ld}):", f"    lanes[l] = {both}", *_vector_fold("lanes", ld, "+"),
+            f"score[j - j0] = lanes[0] * {f32(scale)}"]
+    head = [f"for l in T.vectorized({KEYS}):", f"    score[l] = {f32(float('-inf'))}",
+            "for j in range(its_lo, its_hi):", *_indent(dot, 1),
+            f"for l in T.vectorized({KEYS}):", "    top[l] = score[l]", *_vector_fold("top", KEYS, "T.max"),
+            f"if top[0] > m[{slot}]:",  # a new running max: rescale what was summed so far
+            f"    top[1] = T.exp(m[{slot}] - top[0])",
+            f"    total[{slot}] = total[{slot}] * top[1]",
+            f"    for i in range({dv}):", f"        acc[({slot}) * {dv} + i] = acc[({slot}) * {dv} + i] * top[1]",
+            f"    m[{slot}] = top[0]",
+            f"for l in T.vectorized({KEYS}):",
+            f"    weight[l] = T.if_then_else(score[l] == {f32(float('-inf'))}, T.float32(0), "
+            f"{exp_nonpositive(f'score[l] - m[{slot}]')})",
+            f"for l in T.vectorized({KEYS}):", "    top[l] = weight[l]", *_vector_fold("top", KEYS, "+"),
+            f"total[{slot}] = total[{slot}] + top[0]",
+            f"for c in range({dv // (lv * ways)}):",
+            f"    for l in T.vectorized({lv * ways}):", f"        out_part[l] = acc[({slot}) * {dv} + c * {lv * ways} + l]",
+            "    for j in range(its_lo, its_hi):",
+            f"        for w in T.unroll({ways}):",
+            f"            for l in T.vectorized({lv}):",
+            f"                out_part[w * {lv} + l] = out_part[w * {lv} + l] + weight[j - j0] * "
+            f"v[(j * {hkv} + {kvh}) * {dv} + (c * {ways} + w) * {lv} + l]",
+            f"    for l in T.vectorized({lv * ways}):", f"        acc[({slot}) * {dv} + c * {lv * ways} + l] = out_part[l]"]
+    lines = [f"for task in T.parallel({hkv} * {blocks}):",
+             f'    acc = T.alloc_buffer(({heads * dv},), "float32", scope="global")',
+             f'    m = T.alloc_buffer(({heads},), "float32", scope="global")',
+             f'    total = T.alloc_buffer(({heads},), "float32", scope="global")',
+             *[f'    dot{a} = T.alloc_buffer(({ld},), "float32", scope="global")' for a in range(chains)],
+             f'    lanes = T.alloc_buffer(({max(ld, 2)},), "float32", scope="global")',
+             f'    score = T.alloc_buffer(({KEYS},), "float32", scope="global")',
+             f'    weight = T.alloc_buffer(({KEYS},), "float32", scope="global")',
+             f'    top = T.alloc_buffer(({KEYS},), "float32", scope="global")',
+             f'    out_part = T.alloc_buffer(({lv * ways},), "float32", scope="global")',
+             f"    n = T.min(kv_len[0], {cap})",
+             f"    for i in range({heads}):",
+             f"        m[i] = {f32(float('-inf'))}", "        total[i] = T.float32(0)",
+             f"    for i in range({heads * dv}):", "        acc[i] = T.float32(0)",
+             f"    start = {lo} // {KEYS} * {KEYS}",
+             f"    for step in range(({hi} - start + {KEYS - 1}) // {KEYS}):",
+             f"        j0 = start + step * {KEYS}",
+             f"        for r in range({rows}):",
+             f"            its_lo = T.max(j0, {row_lo})",
+             f"            its_hi = T.min(j0 + {KEYS}, {row_hi})",
+             f"            if {row} < {t} and its_lo < its_hi:",
+             f"                for g in range({group}):",
+             *_indent(head, 5),
+             f"    for r in range({rows}):",
+             f"        if {row} < {t}:",
+             f"            for g in range({group}):",
+             f"                for c in range({dv}):",
+             f"                    out[(({row}) * {hq} + {kvh} * {group} + g) * {dv} + c] = "
+             f"acc[({slot}) * {dv} + c] / total[{slot}]"]
+    return "\n".join(_indent(lines, 1)) + "\n"
+
+
+def delta_rule_nest(t: str, hk: int, hv: int, dk: int, dv: int, tiled: bool, scale: float) -> str:
+    """PrimFunc body of the gated delta rule (ops_recurrent.gated_delta_rule's recurrence): a
+    task per v head walks the rows over its state S[dk, dv], vectorised along the value dim;
+    every sum over the key dim runs in the order the per-column form sums it. The first row
+    reads the old state and writes the decayed one into the new, later rows work there (a
+    head's state stays in cache); each state row is read before it is written, so the new
+    state may be the old one's buffer. No rows: the new state is the old."""
+    lv = _lanes(dv)
+    kh = f"h % {hk}" if tiled else f"h // {hv // hk}"
+    qk = f"(ti * {hk} + {kh}) * {dk} + e"
+    tv = f"ti * {hv} + h"
+    cell = f"(h * {dk} + e) * {dv} + c * {lv} + l"
+    col = f"c * {lv} + l"
+
+    def vec(body: str) -> list[str]:
+        return [f"for c in range({dv // lv}):", f"    for l in T.vectorized({lv}):", f"        {body}"]
+
+    lines = [f"for h in T.parallel({hv}):",
+             f'    kv = T.alloc_buffer(({dv},), "float32", scope="global")',
+             f'    o_row = T.alloc_buffer(({dv},), "float32", scope="global")',
+             '    decay = T.alloc_buffer((1,), "float32", scope="global")',
+             f"    if {t} == 0:",
+             f"        for i in range({dk * dv}):", f"            new_state[h * {dk * dv} + i] = state[h * {dk * dv} + i]",
+             f"    for ti in range({t}):",
+             f"        decay[0] = T.exp(g[{tv}])",
+             *_indent(vec(f"kv[{col}] = T.float32(0)"), 2),
+             f"        for e in range({dk}):",
+             "            if ti == 0:",
+             *_indent(vec(f"new_state[{cell}] = state[{cell}] * decay[0]"), 4),
+             "            else:",
+             *_indent(vec(f"new_state[{cell}] = new_state[{cell}] * decay[0]"), 4),
+             *_indent(vec(f"kv[{col}] = kv[{col}] + new_state[{cell}] * k[{qk}]"), 3),
+             *_indent(vec(f"kv[{col}] = beta[{tv}] * (v[({tv}) * {dv} + {col}] - kv[{col}])"), 2),
+             *_indent(vec(f"o_row[{col}] = T.float32(0)"), 2),
+             f"        for e in range({dk}):",
+             *_indent(vec(f"new_state[{cell}] = new_state[{cell}] + k[{qk}] * kv[{col}]"), 3),
+             *_indent(vec(f"o_row[{col}] = o_row[{col}] + new_state[{cell}] * (q[{qk}] * {f32(scale)})"), 3),
+             *_indent(vec(f"o[({tv}) * {dv} + {col}] = o_row[{col}]"), 2)]
+    return "\n".join(_indent(lines, 1)) + "\n"

@@ -35,12 +35,12 @@ class TVMNodeCtx(NodeCtxBase):
         return Param(name, TVM_DTYPES[v.type.dtype], storage_size(v), writes)
 
     def kernel(self, op: str, buffers: Sequence[tuple[str, Value, bool]], body: str, *, sequential: bool = False,
-               cpu_body: str = "") -> None:
+               cpu_body: str = "", noalias: bool = True) -> None:
         """Add a launch of the PrimFunc with `body` over `buffers` ((param name, value, written?));
-        `cpu_body`: its llvm loop nest, where one is scheduled by hand."""
+        `cpu_body`: its llvm loop nest, where one is scheduled by hand (PrimKernel.noalias)."""
         params = tuple(self.param(n, v, w) for n, v, w in buffers)
-        text = body + "".join(p.size for p in params)
-        kernel = PrimKernel(op, params, symbols_in(text, self._l.symbol_params), body, sequential, cpu_body)
+        text = body + cpu_body + "".join(p.size for p in params)
+        kernel = PrimKernel(op, params, symbols_in(text, self._l.symbol_params), body, sequential, cpu_body, noalias)
         self._l.plan.kernels.setdefault(kernel.name, kernel)
         self.launches.append(Launch(kernel.name, tuple(v.name for _, v, _ in buffers), kernel.ints,
                                     ("1", "1", "1"), (1, 1, 1)))
@@ -59,8 +59,9 @@ def registered_ops() -> set[str]:
     return set(TVMNodeCtx.builders())
 
 
-def lower(graph: Graph) -> tuple[Plan, dict[str, PrimKernel]]:
+def lower(graph: Graph, profile: str = "gpu") -> tuple[Plan, dict[str, PrimKernel]]:
     """The launch plan of `graph` and its PrimFuncs by name (LoweringError names a node without one).
-    TVM schedules per target later, so the plan is lowered once, with the GPU profile's choices."""
-    plan = Lowering(graph, "gpu", TVMNodeCtx).run()
+    TVM schedules each PrimFunc per target later; `profile` "cpu" (the llvm target) takes the
+    hand-written loop nests where an op has one in place of kernels for dlight's rules."""
+    plan = Lowering(graph, profile, TVMNodeCtx).run()
     return plan, plan.kernels

@@ -2,7 +2,9 @@
 
 Attention is four reduction blocks and a scaling block over per-node temporaries (scores,
 row max, row sum): kv_len is read on the device, so one kernel serves every cache fill,
-and masked keys contribute an exact 0 (never 0 * whatever the unused cache rows hold)."""
+and masked keys contribute an exact 0 (never 0 * whatever the unused cache rows hold).
+On the llvm target (the cpu profile) it is one hand-written loop nest instead
+(cpu_schedules.attention_nest)."""
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
@@ -11,6 +13,7 @@ from dflash_ir.ops.fused import attention_inputs
 from dflash_ir.ops.position import ROPE_DEFAULTS
 from dflash_ir.types import TensorType
 
+from .cpu_schedules import attention_nest
 from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, f32, prod
 
@@ -22,6 +25,11 @@ def attention_kernels(ctx: TVMNodeCtx, q: Value, k: Value, v: Value, kv_len: Val
     dv = v.type.shape[2]
     ctx.check("attention", kv_len, size=dim(cap), rows=dim(t), flags=("ordered",) if causal or window else ())
     T, C, D, DV, group = dim(t), dim(cap), dim(d), dim(dv), hq // hkv
+    if ctx.profile == "cpu":
+        nest = attention_nest(T, C, hq, hkv, d, dv, scale, causal, window)
+        ctx.kernel("attention", [("q", q, False), ("k", k, False), ("v", v, False), ("kv_len", kv_len, False),
+                                 ("out", out, True)], nest, cpu_body=nest)
+        return
     n = f"T.min(kv_len[0], {C})"
     conds = [f"j < {n}"]
     if causal:

@@ -1,13 +1,14 @@
 """Weight-consuming ops: dequantize, embedding, matmul (f32/f16/bf16/Q8_0 weights read in
 their storage: Q8_0 blocks of an f16 scale + 32 int8 quants), the specialised matmuls
 (optional residual; x may be Q8_0 blocks, made by quantize_q8_0 as quantize_row_q8_0) and
-expert_matmul. Products are reduction blocks, which dlight's GEMV / matmul rules schedule."""
+expert_matmul. Products are reduction blocks, which dlight's GEMV / matmul rules schedule;
+on the llvm target those with Q8_0 or f32 weights and f32 x take cpu_schedules.py's loop nests."""
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ops.specialised import OPS
 
-from .cpu_schedules import q8_product
+from .cpu_schedules import expert_q8_product, product_nest
 from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, float_to_half, prod, q8_quant, q8_scale, round_half_away, weight_at
 
@@ -60,7 +61,7 @@ def matmul(ctx: TVMNodeCtx) -> None:
         _product(ctx, "matmul_q8_x", [("x", x, False), ("w", w, False)], m, n, k, term, product)
     else:
         term = f"x[row * {K} + c] * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
-        cpu = (q8_product(m, n, k) if w.type.dtype is DType.Q8_0 else None) or ""
+        cpu = product_nest(m, n, k, w.type.dtype) or ""
         _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product, cpu)
     if res:
         _residual(ctx, product, res[0], m, n)
@@ -102,9 +103,13 @@ def expert_matmul(ctx: TVMNodeCtx) -> None:
     xrow = f"(p // {slots})" if x.type.rank == 2 else "p"
     xv = weight_at(DType.Q8_0, "x", xrow, "c", k) if x.type.dtype is DType.Q8_0 else f"x[{xrow} * {K} + c]"
     term = f"{xv} * {weight_at(w.type.dtype, 'w', f'ids[p] * {N} + col', 'c', k)}"
+    rows = prod(ids.type.shape)
+    nest = (expert_q8_product(rows, n, k, slots, x.type.rank == 2)
+            if w.type.dtype is DType.Q8_0 and x.type.dtype is DType.F32 and isinstance(n, int) and isinstance(k, int)
+            else "")
     ctx.kernel("expert_matmul", [("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)],
-               block([("p", prod(ids.type.shape)), ("col", N)], f"out[p * {N} + col] = out[p * {N} + col] + {term}",
-                     reduce=[("c", K)], init=f"out[p * {N} + col] = T.float32(0)"))
+               block([("p", rows), ("col", N)], f"out[p * {N} + col] = out[p * {N} + col] + {term}",
+                     reduce=[("c", K)], init=f"out[p * {N} + col] = T.float32(0)"), cpu_body=nest)
 
 
 @lowers("matmul_group")

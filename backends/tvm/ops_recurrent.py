@@ -4,7 +4,8 @@ rope: one element per block point; the f32 inverse frequency is computed in the 
 the reference rounds it (f32 exponent, f64 power, f32 result) and cos/sin are taken in f64
 of the f32 angle, as the reference does. causal_conv1d: a reduction block for y and copies
 for the new (and per-row) states. gated_delta_rule: one sequential point per state column
-(v head, value dim) keeping S[:, col] in local memory while it walks the rows. The fused
+(v head, value dim) keeping S[:, col] in local memory while it walks the rows; on the llvm
+target a task per v head instead (cpu_schedules.delta_rule_nest). The fused
 gated delta rule and the fused layer (fused_gated_deltanet) as their parts' kernels."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 from dflash_ir.ops.position import frequency_components
 
 from ..kernels.recurrent import gated_deltanet_parts
+from .cpu_schedules import delta_rule_nest
 from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, f32, weight_at
 
@@ -101,7 +103,14 @@ def gated_delta_rule(ctx: TVMNodeCtx) -> None:
     t, hk, dk = q.type.shape
     hv, dv = v.type.shape[1], v.type.shape[2]
     T, DK, DV = dim(t), dim(dk), dim(dv)
-    kh = f"h % {hk}" if ctx.attr.get("head_map", "tiled") == "tiled" else f"h // {hv // hk}"
+    tiled = ctx.attr.get("head_map", "tiled") == "tiled"
+    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
+               ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
+    if ctx.profile == "cpu" and isinstance(dk, int) and isinstance(dv, int):
+        nest = delta_rule_nest(T, hk, hv, dk, dv, tiled, float(ctx.attr["scale"]))
+        ctx.kernel("gated_delta_rule", buffers, nest, cpu_body=nest, noalias=False)
+        return
+    kh = f"h % {hk}" if tiled else f"h // {hv // hk}"
     cell = f"(h * {DK} + e) * {DV} + col"
     qk = f"(ti * {hk} + {kh}) * {DK} + e"
     tv = f"ti * {hv} + h"
@@ -116,8 +125,6 @@ def gated_delta_rule(ctx: TVMNodeCtx) -> None:
             f"        a[2] = a[2] + S[e] * (q[{qk}] * {f32(ctx.attr['scale'])})\n"
             f"    o[({tv}) * {DV} + col] = a[2]\n"
             f"for e in range({DK}):\n    new_state[{cell}] = S[e]")
-    buffers = [("q", q, False), ("k", k, False), ("v", v, False), ("g", g, False), ("beta", beta, False),
-               ("state", state, False), ("o", o, True), ("new_state", new_state, True)]
     ctx.sequential("gated_delta_rule", buffers,
                    [("h", str(hv)), ("col", DV)], body, [("S", dk), ("a", 3)])
 

@@ -234,7 +234,10 @@ class Param:
 class PrimKernel:
     """One PrimFunc: flat buffer params, then int params (the symbols its text uses).
     `cpu_body`, when set, is the same computation as a loop nest scheduled by hand for the
-    llvm target (cpu_schedules.py); `body` stays the sblock form GPU rules and tuning take."""
+    llvm target (cpu_schedules.py); `body` stays the sblock form GPU rules and tuning take
+    (a kernel only the cpu profile lowers to, such as its attention, has the nest as both).
+    `noalias`: no two of the cpu_body's buffers overlap, so LLVM may keep values in
+    registers across stores (false where an output may be written over an input)."""
 
     op: str
     params: tuple[Param, ...]
@@ -242,6 +245,7 @@ class PrimKernel:
     body: str
     sequential: bool
     cpu_body: str = ""
+    noalias: bool = True
 
     @property
     def name(self) -> str:

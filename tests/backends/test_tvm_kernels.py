@@ -65,10 +65,11 @@ def test_f16_bits_convert_exactly_both_ways(tvm, tmp_path):
     assert np.array_equal(narrow.view(np.uint16), want.view(np.uint16))
 
 
-def test_q8_0_products_on_llvm_take_the_hand_scheduled_nest():
-    """Every Q8_0-weight product of an f32 x (alone, grouped, fused) lowers with its llvm loop
-    nest (backends/tvm/cpu_schedules.py), so the interpreter comparisons above check the nest;
-    and the cases' row counts select every rows-per-pass variant of it at run time."""
+def test_q8_0_and_f32_products_on_llvm_take_the_hand_scheduled_nest():
+    """Every Q8_0-weight product of an f32 x (alone, grouped, fused), and every f32-weight one,
+    lowers with its llvm loop nest (backends/tvm/cpu_schedules.py), so the interpreter
+    comparisons above check the nest; and the cases' row counts select every rows-per-pass
+    variant of it at run time."""
     from dflash_ir.backends.tvm.cpu_schedules import PASSES
     from dflash_ir.backends.tvm.lowering import lower
     from kernel_cases import case_graph
@@ -77,6 +78,7 @@ def test_q8_0_products_on_llvm_take_the_hand_scheduled_nest():
 
     names = [n for n in CASES if n.startswith(("matmul_q8_0_", "matmul_group_q8_0_", "fused_matmul_norm_"))
              and "q8_x" not in n and "f16" not in n and not any(f"_{d}_" in n for d in DECODERS)]
+    names += [n for n in CASES if n.startswith("matmul_f32_")]
     chosen = set()
     for name in names:
         nests = [k for k in lower(case_graph(CASES[name].build()))[1].values() if k.cpu_body]
@@ -84,6 +86,47 @@ def test_q8_0_products_on_llvm_take_the_hand_scheduled_nest():
         rows = dict(CASES[name].bindings)["T"]
         chosen.add(max(r for r, _ in PASSES if rows >= r))
     assert chosen == {r for r, _ in PASSES}
+
+
+@pytest.mark.parametrize("prefix, op", [("attention_", "attention"), ("fused_attention_", "attention"),
+                                        ("gated_delta_rule_", "gated_delta_rule"),
+                                        ("fused_gated_delta", "gated_delta_rule"),
+                                        ("expert_matmul_q8_0", "expert_matmul"), ("fused_moe_ragged", "expert_matmul")])
+def test_llvm_takes_the_loop_nests_of_attention_the_delta_rule_and_q8_0_experts(prefix, op):
+    """On the cpu profile (tvm-llvm) these ops lower to their hand-written nests
+    (backends/tvm/cpu_schedules.py), so the interpreter comparisons above check them; the
+    GPU targets keep the kernels for dlight (attention's scores, max, sum, values)."""
+    from dflash_ir.backends.tvm.lowering import lower
+    from kernel_cases import case_graph
+
+    names = [n for n in CASES if n.startswith(prefix) and "q8_x" not in n]
+    assert names
+    for name in names:
+        graph = case_graph(CASES[name].build())
+        cpu = [k for k in lower(graph, "cpu")[1].values() if k.op == op]
+        gpu = [k for k in lower(graph, "gpu")[1].values() if k.op.startswith(op)]
+        assert cpu and all(k.cpu_body for k in cpu), name
+        assert gpu and not any(k.cpu_body and k.op != "expert_matmul" for k in gpu), name
+    attention = {k.op for k in lower(case_graph(CASES[names[0]].build()), "gpu")[1].values()}
+    assert op != "attention" or {"attention_scores", "attention_values"} <= attention
+
+
+def test_llvm_delta_rule_of_no_rows_keeps_the_state(tvm, tmp_path):
+    """The rule's llvm nest walks the rows over the new state's buffer: with none to walk it
+    still writes the old state there, as the interpreter's rule returns it."""
+    import numpy as np
+
+    from dflash_ir.interpreter import Interpreter
+    from kernel_cases import Case, case_graph
+
+    c = Case("gated_delta_rule_no_rows", CASES["gated_delta_rule_tiled"].make, (("T", 0),)).build()
+    graph = case_graph(c)
+    program = tvm.load(graph, tvm.compile(graph, tmp_path), tmp_path, lambda w: c.weights[w.tensor])
+    got = program.run(c.inputs, c.states).outputs
+    want = Interpreter(graph, lambda w: c.weights[w.tensor]).run(c.inputs, c.states).outputs
+    assert got.keys() == want.keys()
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
 
 
 def test_llvm_launch_views_are_made_once_per_launch_and_sizes(tvm, tmp_path):

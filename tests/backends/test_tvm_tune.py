@@ -32,7 +32,7 @@ def test_untuned_compile_never_starts_metaschedule(tvm, tmp_path, monkeypatch):
         raise AssertionError("MetaSchedule started without --tune")
 
     monkeypatch.setattr(tune, "_tune_one", refuse)
-    entry = tvm.compile(case_graph(CASES["matmul_f32_1_rows"].build()), tmp_path)
+    entry = tvm.compile(case_graph(CASES["matmul_f16_1_rows"].build()), tmp_path)
     assert "tuning" not in entry and not any("_rows" in k for k in entry["kernels"])
 
 
@@ -53,7 +53,7 @@ def test_tuning_records_are_written_reused_and_the_tuned_kernel_is_correct(tvm, 
 
     monkeypatch.setenv("DFLASH_IR_TUNING_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tune, "ROWS", (1,))
-    name = "matmul_f32_1_rows"
+    name = "matmul_f16_1_rows"  # no hand schedule: tunable
     graph = case_graph(CASES[name].build())
 
     first = get_backend("tvm-llvm")
@@ -80,7 +80,7 @@ def test_damaged_tuning_record_is_named(tvm, tmp_path, monkeypatch):
     from dflash_ir.backends.tvm.lowering import lower
 
     monkeypatch.setenv("DFLASH_IR_TUNING_CACHE", str(tmp_path))
-    kernels = lower(case_graph(CASES["matmul_f32_1_rows"].build()))[1]
+    kernels = lower(case_graph(CASES["matmul_f16_1_rows"].build()))[1]
     name = next(n for n, k in kernels.items() if tune.tunable(k))
     damaged = tmp_path / f"{tune._key(host_llvm(), kernels[name], tune.ROWS[0])}.json"
     damaged.write_text("{not json")

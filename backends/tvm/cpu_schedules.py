@@ -1,6 +1,7 @@
-"""Hand-scheduled TensorIR for the llvm target: the Q8_0 and f32-weight products, the Q8_0
-expert products, attention and the gated delta rule as explicit loop nests (dlight's CPU
-rules ran them 16-80x, 29-52x, 14-84x and 12-29x behind the native OpenCL kernels here).
+"""Hand-scheduled TensorIR for the llvm target: the products of every block type and of f32
+weights, the Q8_0 expert products, attention and the gated delta rule as explicit loop nests
+(dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native OpenCL
+kernels here).
 
 The Q8_0 product:
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dflash_ir.dtypes import DType
 from dflash_ir.types import Dim
 
-from .tir import f32
+from .tir import f32, sub_block
 
 LANES = 16  # f32 lanes of one AVX-512 vector
 # (rows per pass, columns per task): a pass keeps rows x columns vectors of partial sums in
@@ -35,32 +36,40 @@ LANES = 16  # f32 lanes of one AVX-512 vector
 PASSES = ((8, 2), (4, 4), (2, 4), (1, 8))
 
 
-def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, f32_weights: bool) -> list[str]:
+def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype: DType) -> list[str]:
     """Lines of one pass over `cols` weight columns (from row w_first + cg * cols of w) serving
     `rows` rows: output row `row(r)` reads x's row `x_row(row(r))`. Each row's partial sums
     are a small buffer of its own, rows unrolled here: TVM 0.27 makes a "global" buffer
     under 1 KiB inside a parallel loop a stack array of the task (a "local" one is a heap
-    workspace per iteration), which LLVM keeps in registers. `f32_weights`: w holds f32 rows
-    (a router's, a gate's), read in the same 32-element steps."""
+    workspace per iteration), which LLVM keeps in registers. w holds Q8_0 blocks (each f16
+    scale decoded once for its 16-lane halves), f32 rows (a router's, a gate's), or another
+    block type's, each weight decoded by its block decoder (dflash_ir/blocks.py)."""
     blocks = k // 32
     column = f"{w_first}cg * {cols} + c"
-    if f32_weights:
-        weight = f"w[({column}) * {k} + b * 32 + h * {LANES} + l]"
-    else:
+    share = []
+    if dtype is DType.Q8_0:
         at = f"({column}) * {blocks * 34} + b * 34"
         scale = (f'T.Cast("float32", T.reinterpret("float16", T.bitwise_or(T.Cast("uint16", w[{at}]), '
                  f'T.shift_left(T.Cast("uint16", w[{at} + 1]), T.uint16(8)))))')
         weight = f'{scale} * T.Cast("float32", T.reinterpret("int8", w[{at} + 2 + h * {LANES} + l]))'
+    elif dtype is DType.F32:
+        weight = f"w[({column}) * {k} + b * 32 + h * {LANES} + l]"
+    else:  # a block type: the 16 lanes' sub-block scale and offset decoded once
+        scale, offset, code = sub_block(dtype, "w", column, f"b * 32 + h * {LANES}", k)
+        share = [f"part[0] = {scale}"] + ([f"part[1] = {offset}"] if offset is not None else [])
+        weight = f"part[0] * {code('l')}" + (" + part[1]" if offset is not None else "")
 
     def acc(r: int) -> str:
         return f"acc{r}[c * {LANES} + l]"
 
     lines = [f'wq = T.alloc_buffer(({LANES},), "float32", scope="global")',
-             f'lanes = T.alloc_buffer(({LANES},), "float32", scope="global")']
+             f'lanes = T.alloc_buffer(({LANES},), "float32", scope="global")',
+             'part = T.alloc_buffer((2,), "float32", scope="global")']
     lines += [f'acc{r} = T.alloc_buffer(({cols * LANES},), "float32", scope="global")' for r in range(rows)]
     lines += [f"for c in T.unroll({cols}):", f"    for l in T.vectorized({LANES}):"]
     lines += [f"        {acc(r)} = T.float32(0)" for r in range(rows)]
     lines += [f"for b in range({blocks}):", f"    for c in T.unroll({cols}):", "        for h in T.unroll(2):",
+              *_indent(share, 3),
               f"            for l in T.vectorized({LANES}):", f"                wq[l] = {weight}",
               f"            for l in T.vectorized({LANES}):"]
     lines += [f"                {acc(r)} = {acc(r)} + x[({x_row(row(r))}) * {k} + b * 32 + h * {LANES} + l] * wq[l]"
@@ -73,23 +82,23 @@ def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, f32_we
     return lines
 
 
-def _nest(rows: int, cols: int, m: str, n: int, k: int, f32_weights: bool) -> list[str]:
+def _nest(rows: int, cols: int, m: str, n: int, k: int, dtype: DType) -> list[str]:
     """Loop nest lines for passes of `rows` rows (m >= rows) over `cols` columns per task.
     The last pass starts at m - rows, recomputing some rows of the one before (the same
     values): every row of a pass is real, so its x rows sit at constant offsets from one
     pointer."""
     first = f"T.min(r0 * {rows}, {m} - {rows})"
     return [f"for cg in T.parallel({n // cols}):", f"    for r0 in range(({m} + {rows - 1}) // {rows}):",
-            *_indent(_pass(rows, cols, n, k, lambda r: f"{first} + {r}", lambda row: row, "", f32_weights), 2)]
+            *_indent(_pass(rows, cols, n, k, lambda r: f"{first} + {r}", lambda row: row, "", dtype), 2)]
 
 
 def product_nest(m: str, n: Dim, k: Dim, dtype: DType) -> str | None:
-    """PrimFunc body computing out[m, n] = x[m, k] @ w[n, k]ᵀ with w in Q8_0 blocks or f32
-    rows, or None when the nest does not cover it (another dtype, symbolic N or K, K not a
-    multiple of 32)."""
-    if dtype not in (DType.Q8_0, DType.F32) or not isinstance(n, int) or not isinstance(k, int) or k % 32:
+    """PrimFunc body computing out[m, n] = x[m, k] @ w[n, k]ᵀ with w in blocks of any type or
+    f32 rows, or None when the nest does not cover it (f16/bf16 weights, symbolic N or K, K
+    not a multiple of 32)."""
+    if not (dtype is DType.F32 or dtype.is_block) or not isinstance(n, int) or not isinstance(k, int) or k % 32:
         return None
-    variants = [(rows, _nest(rows, _columns(cols, n), m, n, k, dtype is DType.F32)) for rows, cols in PASSES]
+    variants = [(rows, _nest(rows, _columns(cols, n), m, n, k, dtype)) for rows, cols in PASSES]
     if m.isdigit():  # rows fixed at compile time
         return "\n".join(_indent(next(nest for rows, nest in variants if int(m) >= rows), 1)) + "\n"
     lines = []
@@ -106,7 +115,7 @@ def expert_q8_product(m: str, n: int, k: int, slots: str, per_token: bool) -> st
     cols = _columns(PASSES[-1][1], n)
     x_row = (lambda row: f"({row}) // {slots}") if per_token else (lambda row: row)
     lines = [f"for cg in T.parallel({n // cols}):", f"    for p in range({m}):",
-             *_indent(_pass(1, cols, n, k, lambda r: "p", x_row, f"ids[p] * {n} + ", False), 2)]
+             *_indent(_pass(1, cols, n, k, lambda r: "p", x_row, f"ids[p] * {n} + ", DType.Q8_0), 2)]
     return "\n".join(_indent(lines, 1)) + "\n"
 
 

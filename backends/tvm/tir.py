@@ -125,7 +125,7 @@ class _Text(str):
 
     def _bin(self, fmt: str, other, swap: bool = False) -> "_Text":
         a, b = (str(other), str(self)) if swap else (str(self), str(other))
-        return _Text(fmt.format(a, b))
+        return type(self)(fmt.format(a, b))
 
     def __add__(self, o): return self._bin("({} + {})", o)
     def __radd__(self, o): return self._bin("({} + {})", o, True)
@@ -140,6 +140,32 @@ class _Text(str):
     def __xor__(self, o): return self._bin("T.bitwise_xor({}, {})", o)
     def __lt__(self, o): return self._bin("({} < {})", o)
     def __neg__(self): return _Text(f"(-{self})")
+
+
+class _IndexText(_Text):
+    """A non-negative index: shifts and masks by constants as floor division and modulo, which
+    TVM's vectoriser sees through (a run of lanes' bytes stays one contiguous load)."""
+
+    def __rshift__(self, o):
+        return type(self)(f"T.floordiv({self}, {1 << o})") if isinstance(o, int) else super().__rshift__(o)
+
+    def __and__(self, o):
+        if isinstance(o, int) and o & (o + 1) == 0:
+            return type(self)(f"T.floormod({self}, {o + 1})")
+        return super().__and__(o)
+
+
+def sub_block(dtype: DType, buf: str, row: str, first: str, k: int):
+    """Elements first .. first + 15 of row `row` of `buf` (first a multiple of 16, so one
+    sub-block of every block type holds them all: they share a scale and offset): (their
+    scale, their offset or None, code(lane) of element first + lane), as expressions."""
+    size, nbytes = dtype.block_size, dtype.block_bytes
+    fmt = DECODERS[dtype]
+    reader = _BlockText(buf, f"(({row}) * {k // size * nbytes} + ({first}) // {size} * {nbytes})")
+    within = _IndexText(f"(({first}) % {size})")
+    j = within >> (fmt.sub.bit_length() - 1)
+    offset = fmt.offset(reader, j) if fmt.offset else None
+    return fmt.scale(reader, j), offset, lambda lane: fmt.code(reader, within + lane)
 
 
 class _BlockText:

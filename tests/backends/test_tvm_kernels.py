@@ -65,11 +65,11 @@ def test_f16_bits_convert_exactly_both_ways(tvm, tmp_path):
     assert np.array_equal(narrow.view(np.uint16), want.view(np.uint16))
 
 
-def test_q8_0_and_f32_products_on_llvm_take_the_hand_scheduled_nest():
-    """Every Q8_0-weight product of an f32 x (alone, grouped, fused), and every f32-weight one,
-    lowers with its llvm loop nest (backends/tvm/cpu_schedules.py), so the interpreter
-    comparisons above check the nest; and the cases' row counts select every rows-per-pass
-    variant of it at run time."""
+def test_block_and_f32_products_on_llvm_take_the_hand_scheduled_nest():
+    """Every Q8_0-weight product of an f32 x (alone, grouped, fused), every other block type's
+    and every f32-weight one lowers with its llvm loop nest (backends/tvm/cpu_schedules.py),
+    so the interpreter comparisons above check the nest; and the cases' row counts select
+    every rows-per-pass variant of it at run time."""
     from dflash_ir.backends.tvm.cpu_schedules import PASSES
     from dflash_ir.backends.tvm.lowering import lower
     from kernel_cases import case_graph
@@ -79,6 +79,8 @@ def test_q8_0_and_f32_products_on_llvm_take_the_hand_scheduled_nest():
     names = [n for n in CASES if n.startswith(("matmul_q8_0_", "matmul_group_q8_0_", "fused_matmul_norm_"))
              and "q8_x" not in n and "f16" not in n and not any(f"_{d}_" in n for d in DECODERS)]
     names += [n for n in CASES if n.startswith("matmul_f32_")]
+    names += [n for n in CASES if n.startswith(tuple(f"matmul_{d}_" for d in DECODERS)) and "q8_x" not in n]
+    assert {d for d in DECODERS if any(n.startswith(f"matmul_{d}_") for n in names)} == set(DECODERS)
     chosen = set()
     for name in names:
         nests = [k for k in lower(case_graph(CASES[name].build()))[1].values() if k.cpu_body]

@@ -18,8 +18,9 @@ wide vectors (AVX-512 here: 16 f32 lanes, one 32-quant block is two vectors):
   read and decoded once per pass, not once per row; fewer rows take more columns per
   task (PASSES), one row (decode) eight, to keep several weight streams in flight.
 
-The partial sums are reduced across lanes at the end of each column (a halving fold). The interpreter and
-the native kernels sum in other orders: results agree to rounding (tests/kernel_cases.py).
+The partial sums are reduced across lanes at the end of each column (a halving fold). The
+interpreter and the native kernels sum in other orders: results agree to rounding
+(tests/kernel_cases.py).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from .tir import f32, sub_block
 LANES = 16  # f32 lanes of one AVX-512 vector
 # (rows per pass, columns per task): a pass keeps rows x columns vectors of partial sums in
 # registers (16 of AVX-512's 32); a product takes the most rows per pass that its rows fill.
-# One row takes 8 columns: a decode GEMV from memory ran at 16-19 GB/s with 4, 20-22 with 8
+# One row takes 8 columns: a decode GEMV from memory ran at 16-19 GB/s with 4, 20-23 with 8
 # (8192 x 2048 and 12288 x 4096, alternated in one process; 16 no better)
 PASSES = ((8, 2), (4, 4), (2, 4), (1, 8))
 
@@ -63,8 +64,8 @@ def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype:
         return f"acc{r}[c * {LANES} + l]"
 
     lines = [f'wq = T.alloc_buffer(({LANES},), "float32", scope="global")',
-             f'lanes = T.alloc_buffer(({LANES},), "float32", scope="global")',
-             'part = T.alloc_buffer((2,), "float32", scope="global")']
+             f'lanes = T.alloc_buffer(({LANES},), "float32", scope="global")']
+    lines += ['part = T.alloc_buffer((2,), "float32", scope="global")'] if share else []
     lines += [f'acc{r} = T.alloc_buffer(({cols * LANES},), "float32", scope="global")' for r in range(rows)]
     lines += [f"for c in T.unroll({cols}):", f"    for l in T.vectorized({LANES}):"]
     lines += [f"        {acc(r)} = T.float32(0)" for r in range(rows)]

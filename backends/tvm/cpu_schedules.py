@@ -99,7 +99,7 @@ def product_nest(m: str, n: Dim, k: Dim, dtype: DType) -> str | None:
     not a multiple of 32)."""
     if not (dtype is DType.F32 or dtype.is_block) or not isinstance(n, int) or not isinstance(k, int) or k % 32:
         return None
-    variants = [(rows, _nest(rows, _columns(cols, n), m, n, k, dtype)) for rows, cols in PASSES]
+    variants = [(rows, _nest(rows, _widest(cols, n), m, n, k, dtype)) for rows, cols in PASSES]
     if m.isdigit():  # rows fixed at compile time
         return "\n".join(_indent(next(nest for rows, nest in variants if int(m) >= rows), 1)) + "\n"
     lines = []
@@ -113,25 +113,21 @@ def expert_q8_product(m: str, n: int, k: int, slots: str, per_token: bool) -> st
     w[E, n, k]: one-row passes, each output row reading its own expert's rows. (Grouping the
     rows by expert first, so that an expert's columns serve all its rows in one pass, ran
     no faster at 16 rows and 1.5x slower at one: the experts' weights are streamed either way.)"""
-    cols = _columns(PASSES[-1][1], n)
+    cols = _widest(PASSES[-1][1], n)
     x_row = (lambda row: f"({row}) // {slots}") if per_token else (lambda row: row)
     lines = [f"for cg in T.parallel({n // cols}):", f"    for p in range({m}):",
              *_indent(_pass(1, cols, n, k, lambda r: "p", x_row, f"ids[p] * {n} + ", DType.Q8_0), 2)]
     return "\n".join(_indent(lines, 1)) + "\n"
 
 
-def _columns(most: int, n: int) -> int:
-    """Columns per task: the most, at most `most`, that divide n."""
-    return next(c for c in (most, 4, 2, 1) if c <= most and n % c == 0)
+def _widest(most: int, n: int) -> int:
+    """The largest power of two up to `most` (a power of two) that divides n: columns per
+    task, vector lanes along a row, output slices side by side."""
+    return next(w for w in (most >> i for i in range(most.bit_length())) if n % w == 0)
 
 
 def _indent(lines: list[str], levels: int) -> list[str]:
     return ["    " * levels + s for s in lines]
-
-
-def _lanes(n: int) -> int:
-    """The widest vector (at most LANES f32) that divides a row of n."""
-    return next(w for w in (LANES, 8, 4, 2, 1) if n % w == 0)
 
 
 ATTENTION_ROWS = 8  # query rows a task takes: each block of keys is read once for them all
@@ -180,7 +176,7 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
     (an unfilled cache row may hold anything: a weight of 0 times it could be NaN)."""
     group, rows = hq // hkv, ATTENTION_ROWS
     heads = rows * group
-    ld, lv = _lanes(d), _lanes(dv)
+    ld, lv = _widest(LANES, d), _widest(LANES, dv)
     blocks = f"(({t} + {rows - 1}) // {rows})"
     first = f"task % {blocks} * {rows}"
     kvh = f"task // {blocks}"
@@ -196,7 +192,7 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
     lo = f"T.max(n - {t} + {first} - {window} + 1, 0)" if window else "0"
     chunks = d // ld
     chains = 2 if chunks % 2 == 0 else 1  # independent sums per dot product (FMA latency)
-    ways = next(w for w in (4, 2, 1) if dv // lv % w == 0)  # output slices summed side by side
+    ways = _widest(4, dv // lv)  # output slices summed side by side
     dot = [line for a in range(chains) for line in
            (f"for l in T.vectorized({ld}):", f"    dot{a}[l] = q[{q_at} + {a * ld} + l] * k[{k_at} + {a * ld} + l]")]
     if chunks > chains:
@@ -233,7 +229,7 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
              f'    m = T.alloc_buffer(({heads},), "float32", scope="global")',
              f'    total = T.alloc_buffer(({heads},), "float32", scope="global")',
              *[f'    dot{a} = T.alloc_buffer(({ld},), "float32", scope="global")' for a in range(chains)],
-             f'    lanes = T.alloc_buffer(({max(ld, 2)},), "float32", scope="global")',
+             f'    lanes = T.alloc_buffer(({ld},), "float32", scope="global")',
              f'    score = T.alloc_buffer(({KEYS},), "float32", scope="global")',
              f'    weight = T.alloc_buffer(({KEYS},), "float32", scope="global")',
              f'    top = T.alloc_buffer(({KEYS},), "float32", scope="global")',
@@ -267,7 +263,7 @@ def delta_rule_nest(t: str, hk: int, hv: int, dk: int, dv: int, tiled: bool, sca
     reads the old state and writes the decayed one into the new, later rows work there (a
     head's state stays in cache); each state row is read before it is written, so the new
     state may be the old one's buffer. No rows: the new state is the old."""
-    lv = _lanes(dv)
+    lv = _widest(LANES, dv)
     kh = f"h % {hk}" if tiled else f"h // {hv // hk}"
     qk = f"(ti * {hk} + {kh}) * {dk} + e"
     tv = f"ti * {hv} + h"

@@ -99,10 +99,8 @@ def weight_at(dtype: DType, buf: str, row: str, col: str, k: Dim) -> str:
     if dtype is DType.Q8_0:
         return f"({q8_scale(buf, row, f'({col}) // 32', k)} * {q8_quant(buf, row, col, k)})"
     if dtype in DECODERS:
-        size, nbytes = dtype.block_size, dtype.block_bytes
-        row_bytes = k // size * nbytes if isinstance(k, int) else f"({dim(k)} // {size} * {nbytes})"
-        block = f"(({row}) * {row_bytes} + ({col}) // {size} * {nbytes})"
-        return str(DECODERS[dtype].value(_BlockText(buf, block), _Text(f"(({col}) % {size})")))
+        within = _Text(f"(({col}) % {dtype.block_size})")
+        return str(DECODERS[dtype].value(_block_of(dtype, buf, row, col, k), within))
     raise ValueError(f"{dtype} is not a weight dtype")
 
 
@@ -155,14 +153,20 @@ class _IndexText(_Text):
         return super().__and__(o)
 
 
+def _block_of(dtype: DType, buf: str, row: str, col: str, k: Dim) -> "_BlockText":
+    """The block decoders' reader over the block holding element (row, col) of `buf`."""
+    size, nbytes = dtype.block_size, dtype.block_bytes
+    row_bytes = k // size * nbytes if isinstance(k, int) else f"({dim(k)} // {size} * {nbytes})"
+    return _BlockText(buf, f"(({row}) * {row_bytes} + ({col}) // {size} * {nbytes})")
+
+
 def sub_block(dtype: DType, buf: str, row: str, first: str, k: int):
     """Elements first .. first + 15 of row `row` of `buf` (first a multiple of 16, so one
     sub-block of every block type holds them all: they share a scale and offset): (their
     scale, their offset or None, code(lane) of element first + lane), as expressions."""
-    size, nbytes = dtype.block_size, dtype.block_bytes
     fmt = DECODERS[dtype]
-    reader = _BlockText(buf, f"(({row}) * {k // size * nbytes} + ({first}) // {size} * {nbytes})")
-    within = _IndexText(f"(({first}) % {size})")
+    reader = _block_of(dtype, buf, row, first, k)
+    within = _IndexText(f"(({first}) % {dtype.block_size})")
     j = within >> (fmt.sub.bit_length() - 1)
     offset = fmt.offset(reader, j) if fmt.offset else None
     return fmt.scale(reader, j), offset, lambda lane: fmt.code(reader, within + lane)

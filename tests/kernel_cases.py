@@ -254,6 +254,11 @@ case("fused_matmul_norm_swiglu_q4_k_decode")(_fused_matmul(DType.Q4_K, (40, 40),
 case("fused_matmul_norm_swiglu_gemm", T=21)(_fused_matmul(Q8, (40, 40), True, "swiglu", form="gemm"))
 case("fused_matmul_swiglu_q8_x", T=5)(_fused_matmul(Q8, (48, 48), False, "swiglu", q8=True))
 case("fused_matmul_swiglu_q5_0_q8_x", T=9)(_fused_matmul(DType.Q5_0, (40, 40), False, "swiglu", q8=True))
+# a decode's q8 products over K-quants: one unit a work-item, the runs unrolled (linalg.BLOCK_ROW_GROUPS)
+case("fused_matmul_swiglu_q4_k_q8_x_decode")(_fused_matmul(DType.Q4_K, (40, 40), False, "swiglu", q8=True, k=512,
+                                                            rows=1))
+case("fused_matmul_group_q6_k_q8_x_decode")(_fused_matmul(DType.Q6_K, (24, 8, 36), False, "none", q8=True, k=512,
+                                                           rows=1))
 for _dt in (F16, Q8):
     case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
         c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))

@@ -462,6 +462,12 @@ WALK_ROWS = 16    # rows a CPU tile's work-item walks at least (a verify block),
 # 13.2 against 14.2-15.8 (Q6_K) with one group (two alternations; 2-core Zen 4)
 TILES = {False: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 4, 3, 4), (8, 2, 5, 8), (16, 1, 9, 1 << 30)),
          True: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 2, 3, 4), (8, 2, 5, 1 << 30))}
+# ... except that a one-row tile over another block type's pack (a decode's K-quant product)
+# takes one group: each group's scales, offsets and words of a sub-block are live at once, and
+# four groups' spilled. One-row q8 products from memory, alternated (2-core Zen 4, 24576 x
+# 4096): Q4_K 32.9 -> 41.5 GB/s, Q6_K 32.2 -> 35.5 (with the decode's runs unrolled,
+# _q8_x_tile_blocks); Q8_0 ran slower with one (24-26 against 30 GB/s) and keeps four
+BLOCK_ROW_GROUPS = 1
 
 
 @dataclass(frozen=True)
@@ -513,6 +519,8 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
     for rows, groups, lo, hi in TILES[x_q8]:
         if fixed is not None and not lo <= fixed <= hi:
             continue
+        if rows == 1 and weights[0].type.dtype is not DType.Q8_0:
+            groups = BLOCK_ROW_GROUPS
         per = max(1, groups // 2) if swiglu else groups  # units per work-item
         items = tile_items(-(-t.units // per))
         kb = ctx.kernel("matmul_tiles", (items,))
@@ -636,14 +644,14 @@ def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0
             return weight_at(t.norm[0], bufs["norm"], const(0), i, k)
     q8_x = (x, [row * (k // 32) for row in rows]) if x_q8 else None
     tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype,
-              block_span, x_sums)
+              block_span, x_sums, unroll_runs=block_span > 0)
     _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
 
 
 def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
               x_at: Callable[[int, K], K], norm_at: Callable[[K], K] | None = None,
               q8_x: tuple[Buffer, list[K]] | None = None, dp4: bool = False, dtype: DType = DType.Q8_0,
-              block_span: int = 0, x_sums: Array | None = None) -> None:
+              block_span: int = 0, x_sums: Array | None = None, unroll_runs: bool = False) -> None:
     """The inner loops of a CPU tile (dense products and the expert products of kernels/moe.py):
     for blocks 0 .. nb-1 of each group j (its buffer, and the byte of its first block in
     quant.pack_q8_0_cols16's layout), add the products of its 16 rows with x row r (`x_at(r,
@@ -654,15 +662,16 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     integer sums are VPDPBUSD's (_dp4_tile_sums), the same integers. Another block `dtype`
     (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, `block_span` elements
     at a time unrolled (the lowering's, for a decode's product; 0: a loop); with `q8_x` by
-    _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack. Either dp4 form reads x's
-    sub-block sums from `x_sums` (_x_block_sums) where given."""
+    _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack, with its runs of 32
+    unrolled where `unroll_runs` (a dense decode's: _q8_x_tile_blocks). Either dp4 form reads
+    x's sub-block sums from `x_sums` (_x_block_sums) where given."""
     V = F32.vec(COLS)
     G = len(groups)
     if dtype is not DType.Q8_0 and q8_x:
         if dp4:
-            _dp4_block_tile_sums(kb, dtype, groups, nb, acc, R, q8_x, x_sums)
+            _dp4_block_tile_sums(kb, dtype, groups, nb, acc, R, q8_x, x_sums, unroll_runs)
         else:
-            _q8_x_block_tile_sums(kb, dtype, groups, nb, acc, R, q8_x)
+            _q8_x_block_tile_sums(kb, dtype, groups, nb, acc, R, q8_x, unroll_runs)
         return
     if dtype is not DType.Q8_0:
         _block_tile_sums(kb, dtype, groups, nb, acc, R, x_at, norm_at, block_span)
@@ -766,23 +775,28 @@ def _q8_x_block_sums(kb: KernelSpec, acc: dict, R: int, G: int, x: Buffer, xb: l
 
 
 def _q8_x_tile_blocks(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, R: int,
-                      firsts: list[K], reader, body: Callable) -> None:
+                      firsts: list[K], reader, body: Callable, unroll_runs: bool) -> None:
     """The loops of a Q8_X_TYPES tile over Q8_0 x: weight blocks b, each group's block read
     through `reader(buffer, u16 index of the block)`, and its runs s of 32 elements, each with
     the Q8_0 block of x it meets: body(blocks, s, xb, run), xb[r] row r's x block (a byte),
-    `run` that block's index from the row's first."""
+    `run` that block's index from the row's first. `unroll_runs` (a dense decode's product)
+    unrolls the runs, so each run's scale and offset bytes sit at constant positions: with
+    one group a work-item (BLOCK_ROW_GROUPS) a one-row Q6_K product from memory ran 29.2 ->
+    35.5 GB/s, Q4_K 37.8 -> 41.5 (2-core Zen 4, alternated). The expert tiles keep the loop:
+    a 35B-shaped MoE decode (Q4_K / Q6_K experts) took 0.84 ms with it, 0.99 unrolled; and
+    so does a prefill's one-row tile (an unrolled kernel costs compile time)."""
     runs = dtype.block_size // 32
     with kb.loop("b", 0, nb) as b:
         blocks = [reader(w, kb.let(f"at{j}", base / 2 + b * (dtype.block_bytes // 2 * COLS)))
                   for j, (w, base) in enumerate(groups)]
-        with kb.loop("s", 0, runs) as s:
+        with kb.loop("s", 0, runs, unroll=runs if unroll_runs else 0) as s:
             run = kb.let("run", b * runs + s)
             xb = [kb.let(f"xb{r}", (firsts[r] + run) * Q8_BLOCK) for r in range(R)]
             body(blocks, s, xb, run)
 
 
 def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
-                          R: int, q8_x: tuple[Buffer, list[K]]) -> None:
+                          R: int, q8_x: tuple[Buffer, list[K]], unroll_runs: bool) -> None:
     """tile_sums of a Q8_X_TYPES block type's pack (quant.pack_blocks_cols16) over Q8_0 x: per
     sub-block (32 elements, or each 16-element half of x's block), each code times x's quant
     summed exactly (integer-valued f32, below 2^24), and x's quants summed where the type has
@@ -807,14 +821,14 @@ def _q8_x_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffe
                         kb.set(dot[r, j], call("fma", code[j], xv, dot[r, j]))
             _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset, h)
 
-    _q8_x_tile_blocks(kb, dtype, groups, nb, R, firsts, Cols16Loads, body)
+    _q8_x_tile_blocks(kb, dtype, groups, nb, R, firsts, Cols16Loads, body, unroll_runs)
 
 
 ONES = 0x01010101  # VPDPBUSD against bytes of 1: the sum of four signed bytes
 
 
 def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict,
-                         R: int, q8_x: tuple[Buffer, list[K]], x_sums: Array | None = None) -> None:
+                         R: int, q8_x: tuple[Buffer, list[K]], x_sums: Array | None, unroll_runs: bool) -> None:
     """_q8_x_block_tile_sums with VPDPBUSD on a 4-to-6-bit type's dp4 pack
     (quant.pack_blocks_cols16_dp4, read as quant.DP4_TYPES says): per four codes, a 32-bit
     word per lane of their unsigned bytes (masks and shifts of the pack's words, each loaded
@@ -856,7 +870,8 @@ def _dp4_block_tile_sums(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer
                     kb.set(dot[key], dot[key] - xsum[key[0]] * words.bias)
             _q8_x_block_sums(kb, acc, R, G, x, xb, dot, xsum, scale, offset, h)
 
-    _q8_x_tile_blocks(kb, dtype, groups, nb, R, firsts, lambda w, at: Dp4Loads(w, at, words, dtype.block_bytes), body)
+    _q8_x_tile_blocks(kb, dtype, groups, nb, R, firsts, lambda w, at: Dp4Loads(w, at, words, dtype.block_bytes), body,
+                      unroll_runs)
 
 
 def _group_block(kb: KernelSpec, groups: list[tuple[Buffer, K]], b: K) -> tuple[list[K], list[K]]:

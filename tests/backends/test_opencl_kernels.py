@@ -62,7 +62,7 @@ def test_one_row_block_tiles_read_each_word_of_a_block_once_per_step():
         if node.op == "load" and node.arg[0] == "w" and node.dtype.lanes == 16:
             group = {n.arg for n in walk(node.src[0]) if n.op == "var" and n.arg.startswith("at")}
             per_group.setdefault(min(group), set()).add(node)
-    assert len(per_group) == 4 and all(len(words) <= 72 for words in per_group.values()), \
+    assert len(per_group) == 2 and all(len(words) <= 72 for words in per_group.values()), \
         {g: len(w) for g, w in per_group.items()}
 
 
@@ -80,6 +80,37 @@ def test_only_a_decode_product_unrolls_its_block_tile():
     assert element_loops(lower(decode, "cpu")) == [False]
     assert element_loops(lower(decode, "cpu", row_streams=1, block_span=0)) == [True]
     assert all(element_loops(lower(CASES["matmul_q4_k_16_rows"].build().b.build(), "cpu")))
+
+
+@pytest.mark.parametrize("isa", [frozenset(), frozenset({"avx512_vnni"})])
+def test_a_decode_block_type_tile_takes_one_unit_a_work_item_with_its_runs_unrolled(isa):
+    """linalg.BLOCK_ROW_GROUPS: a decode's product over a K-quant pack takes one unit (a group,
+    or a gate and up pair) per work-item, where four units' sub-block state spilled; Q8_0's
+    one-row tile keeps four groups. Over Q8_0 x its runs of 32 are unrolled for a decode, and
+    stay a loop in a prefill's one-row bucket (rows not fixed) and in the expert tiles."""
+    from dflash_ir.backends.kir.c import PRINTERS
+    from dflash_ir.backends.kir.ir import walk
+    from dflash_ir.backends.lowering import lower
+
+    def tiles(name, ops=("matmul_tiles",)):
+        return [k for k in lower(CASES[name].build().b.build(), "cpu", isa=isa).kernels.values() if k.op in ops]
+
+    def groups(kernel):
+        return PRINTERS["opencl"].kernel_source(kernel).count("long wg")
+
+    def runs_unrolled(kernel):
+        return any(n.op == "unroll" and n.src[0].arg == "s" for n in walk(kernel.body))
+
+    for name, units in (("fused_matmul_swiglu_q4_k_q8_x_decode", 2), ("fused_matmul_group_q6_k_q8_x_decode", 1),
+                        ("fused_matmul_norm_swiglu_q4_k_decode", 2)):
+        (tile,) = tiles(name)
+        assert groups(tile) == units, name
+    assert all(runs_unrolled(t) for t in tiles("fused_matmul_swiglu_q4_k_q8_x_decode"))
+    prefill = tiles("matmul_q4_k_q8_x_5_rows")  # rows not fixed: a tile per bucket, one row's first
+    assert groups(prefill[0]) == 1 and not any(runs_unrolled(t) for t in prefill)
+    experts = tiles("fused_moe_q4_k_m_q8_x_decode", ("moe_up", "moe_down"))
+    assert len(experts) == 2 and not any(runs_unrolled(t) for t in experts)
+    assert groups(tiles("fused_matmul_norm_swiglu_1_rows")[0]) == 4  # Q8_0: two gate and up pairs
 
 
 def test_every_op_has_a_case():

@@ -259,6 +259,8 @@ case("fused_matmul_swiglu_q4_k_q8_x_decode")(_fused_matmul(DType.Q4_K, (40, 40),
                                                             rows=1))
 case("fused_matmul_group_q6_k_q8_x_decode")(_fused_matmul(DType.Q6_K, (24, 8, 36), False, "none", q8=True, k=512,
                                                            rows=1))
+case("fused_matmul_group_q5_k_q8_x_decode")(_fused_matmul(DType.Q5_K, (24, 8, 36), False, "none", q8=True, k=512,
+                                                           rows=1))
 for _dt in (F16, Q8):
     case(f"expert_matmul_{_dt}", T=5)(lambda c, dt=_dt: c.out(c.b.expert_matmul(
         c.x("x", ("T", 64)), c.w("w", (6, 24, 64), dt), c.ints("ids", ("T", 2), 6))))

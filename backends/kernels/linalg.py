@@ -464,10 +464,16 @@ TILES = {False: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 4, 3, 4), (8, 2, 5, 8), (16, 1,
          True: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 2, 3, 4), (8, 2, 5, 1 << 30))}
 # ... except that a one-row tile over another block type's pack (a decode's K-quant product)
 # takes one group: each group's scales, offsets and words of a sub-block are live at once, and
-# four groups' spilled. One-row q8 products from memory, alternated (2-core Zen 4, 24576 x
-# 4096): Q4_K 32.9 -> 41.5 GB/s, Q6_K 32.2 -> 35.5 (with the decode's runs unrolled,
-# _q8_x_tile_blocks); Q8_0 ran slower with one (24-26 against 30 GB/s) and keeps four
+# four groups' spilled. One-row q8 products from memory, 24576 x 4096, four groups against
+# one, medians of alternations in one process (2-core Zen 4): Q2_K 18.8 -> 30.2 GB/s, Q3_K
+# 27.2 -> 32.7, Q4_K 22.6 -> 27.2 (memory-bound phase) and 32.9 -> 41.5 (faster phase), Q6_K
+# 32.2 -> 35.5, Q5_0 32.1 -> 34.0, Q4_0 level; Q8_0 ran slower with one (24-26 against 30)
 BLOCK_ROW_GROUPS = 1
+# the block types whose one-row decode tiles unroll their runs of 32 (_q8_x_tile_blocks), so
+# that each run's scale and offset bytes sit at constant positions; one group, loop against
+# unrolled, same runs: Q3_K 25.4 -> 31.9 GB/s, Q4_K 34.6 -> 36.1, Q6_K 25.1 -> 31.3. Q5_K
+# ran slower unrolled (26.6 -> 19.2) and Q2_K no faster (26.2 -> 24.1): they keep the loop
+RUNS_UNROLLED = frozenset({DType.Q3_K, DType.Q4_K, DType.Q6_K})
 
 
 @dataclass(frozen=True)
@@ -644,7 +650,7 @@ def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0
             return weight_at(t.norm[0], bufs["norm"], const(0), i, k)
     q8_x = (x, [row * (k // 32) for row in rows]) if x_q8 else None
     tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype,
-              block_span, x_sums, unroll_runs=block_span > 0)
+              block_span, x_sums, unroll_runs=block_span > 0 and dtype in RUNS_UNROLLED)
     _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
 
 
@@ -663,7 +669,7 @@ def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, ac
     (quant.pack_blocks_cols16's layout) is decoded by _block_tile_sums, `block_span` elements
     at a time unrolled (the lowering's, for a decode's product; 0: a loop); with `q8_x` by
     _q8_x_block_tile_sums, or _dp4_block_tile_sums on its dp4 pack, with its runs of 32
-    unrolled where `unroll_runs` (a dense decode's: _q8_x_tile_blocks). Either dp4 form reads
+    unrolled where `unroll_runs` (a dense decode's, of RUNS_UNROLLED). Either dp4 form reads
     x's sub-block sums from `x_sums` (_x_block_sums) where given."""
     V = F32.vec(COLS)
     G = len(groups)
@@ -779,12 +785,10 @@ def _q8_x_tile_blocks(kb: KernelSpec, dtype: DType, groups: list[tuple[Buffer, K
     """The loops of a Q8_X_TYPES tile over Q8_0 x: weight blocks b, each group's block read
     through `reader(buffer, u16 index of the block)`, and its runs s of 32 elements, each with
     the Q8_0 block of x it meets: body(blocks, s, xb, run), xb[r] row r's x block (a byte),
-    `run` that block's index from the row's first. `unroll_runs` (a dense decode's product)
-    unrolls the runs, so each run's scale and offset bytes sit at constant positions: with
-    one group a work-item (BLOCK_ROW_GROUPS) a one-row Q6_K product from memory ran 29.2 ->
-    35.5 GB/s, Q4_K 37.8 -> 41.5 (2-core Zen 4, alternated). The expert tiles keep the loop:
-    a 35B-shaped MoE decode (Q4_K / Q6_K experts) took 0.84 ms with it, 0.99 unrolled; and
-    so does a prefill's one-row tile (an unrolled kernel costs compile time)."""
+    `run` that block's index from the row's first. `unroll_runs` unrolls the runs (a dense
+    decode's product over RUNS_UNROLLED). The expert tiles keep the loop: a 35B-shaped MoE
+    decode (Q4_K / Q6_K experts) took 0.84 ms with it, 0.99 unrolled (medians, alternated);
+    and so does a prefill's one-row tile (an unrolled kernel costs compile time)."""
     runs = dtype.block_size // 32
     with kb.loop("b", 0, nb) as b:
         blocks = [reader(w, kb.let(f"at{j}", base / 2 + b * (dtype.block_bytes // 2 * COLS)))

@@ -14,6 +14,9 @@ results.md and PNG plots to --out.
                                                   a real-size model (generated once, ~10 GB):
                                                   compile, cold/warm load, peak RSS, speed, and
                                                   llama.cpp's on the same file
+    dflash-bench --suites scale -b opencl --models qwen35-9b-q4_k_m --bursts 12
+                                                  then both engines loaded at once, decoding in
+                                                  turns: the ratio a drifting machine still gives
     dflash-bench --suites profile -b cuda --models synthetic
                                                   where a decode step, a verify and a draft
                                                   block spend their time, kernel by kernel
@@ -48,7 +51,7 @@ from . import profile as profile_suite
 from . import scale as scale_suite
 from . import serve as serve_suite
 from . import tau as tau_suite
-from .measure import time_calls
+from .measure import available_memory, time_calls
 from .report import Results, scale_line, write_all
 
 SUITES = ("limits", "kernels", "e2e", "tau", "profile", "serve", "peer", "scale")
@@ -289,6 +292,30 @@ class Bench:
                 if s["ratios"]:
                     self.say(f"  {m.name:10s} {s['engine']:10s} decode / llama.cpp's, same alternation: "
                              + ", ".join(f"{x:.2f}" for x in s["ratios"]) + f" (median {s['median_ratio']:.2f})")
+            if self.args.bursts and not peer:
+                self.bursts(backends, m, rows)
+
+    def bursts(self, backends, m, rows: list[dict]) -> None:
+        """--bursts: our decode and llama.cpp's in turns, both loaded at once (scale.decode_bursts),
+        where the two peak resident sets this run measured fit in the memory available."""
+        peaks = {r["engine"]: r["peak_rss_bytes"] for r in rows}
+        theirs = max((v for e, v in peaks.items() if e.startswith("llama.cpp")), default=None)
+        for backend, numerics, label in self.runs(backends):
+            need = None if theirs is None or label not in peaks else theirs + peaks[label]
+            free = available_memory()
+            if need is None or need > free:
+                self.say(f"  {m.name:10s} {label:10s} decode bursts skipped: both engines loaded at once need "
+                         + (f"{need / 1e9:.1f} GB (their peak RSS), {free / 1e9:.1f} GB are available" if need
+                            else "both engines' peak RSS from this run's scale rows"))
+                continue
+            n = self.args.max_tokens
+            d = self.attempt(f"bursts/{label}/{m.name}", lambda: scale_suite.decode_bursts(
+                backend, m, self.work / "scale", rounds=self.args.bursts, tokens=n, numerics=numerics))
+            if d:
+                self.results.bursts.append(d)
+                self.say(f"  {m.name:10s} {label:10s} decode / llama.cpp's, {self.args.bursts} rounds of {n} tokens "
+                         f"in turns: " + ", ".join(f"{x:.2f}" for x in d["ratios"])
+                         + f" (median {d['median_ratio']:.2f})")
 
     def run(self) -> Results:
         suites = self.args.suites.split(",")
@@ -354,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="times the scale suite runs each engine, alternating them (default 1); with llama.cpp, "
                         "each of our decode figures is compared with its own in the same alternation")
+    p.add_argument("--bursts", type=int, default=0,
+                   help="rounds of the scale suite's decode bursts: after its runs, our engine and llama.cpp "
+                        "loaded at once, each decoding --max-tokens tokens in turn, the order swapped each round "
+                        "(default 0: none); each round's ratio and their median")
     p.add_argument("--taus", type=_taus, default=tau_suite.TAUS,
                    help="acceptance lengths of the tau suite, e.g. 1,6,16 or 1-16 (default 1-16; --quick: 1,6,16)")
     p.add_argument("-o", "--out", default="bench-results", help="folder for results.json, results.md, *.png")
@@ -361,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, not {args.repeats}")
+    if args.bursts < 0:
+        p.error(f"--bursts must be 0 or more, not {args.bursts}")
     if args.quick and args.max_tokens == 32:
         args.max_tokens = 16
     if args.quick and args.taus == tau_suite.TAUS:

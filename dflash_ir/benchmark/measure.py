@@ -46,3 +46,11 @@ def peak_rss() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def available_memory() -> int:
+    """What the kernel says can be allocated without swapping (MemAvailable), in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")

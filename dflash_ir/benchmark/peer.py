@@ -24,7 +24,7 @@ import numpy as np
 
 from dflash_ir.backends.base import host_cpu_flags
 
-from .child import run_child
+from .child import RESIDENT, Resident, run_child, serve_resident
 from .measure import peak_rss
 
 INSTALL = "pip install llama-cpp-python (builds llama.cpp from source: ~10 min on 2 cores)"
@@ -150,11 +150,11 @@ def _load(gguf: str, n_ctx: int) -> dict:
     return {"load_s": load_s}
 
 
-def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens: int, n_ctx: int,
-              threads: int | None) -> dict:
+def _session(gguf: str, prompt_ids: Sequence[int], n_ctx: int, threads: int):
+    """The model loaded, the seconds it took, and generate(n): greedy target-only generation
+    of n tokens after `prompt_ids` -> (tokens, prefill seconds, decode seconds)."""
     import llama_cpp
 
-    threads = threads or usable_cpus()
     llm, load_s = _llama(gguf, n_ctx, max(len(prompt_ids), 32), threads)
     n_vocab = llm.n_vocab()
 
@@ -173,6 +173,20 @@ def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens:
             tokens.append(int(np.argmax(last_logits())))
         return tokens, prefill, time.perf_counter() - t0
 
+    return llm, load_s, generate
+
+
+def _decode_tps(tokens: list, decode_s: float) -> float:
+    return (len(tokens) - 1) / decode_s if decode_s else 0.0
+
+
+def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens: int, n_ctx: int,
+              threads: int | None) -> dict:
+    import llama_cpp
+
+    threads = threads or usable_cpus()
+    llm, load_s, generate = _session(gguf, prompt_ids, n_ctx, threads)
+
     def verify_steps(repeats: int = 5) -> float:
         """A 16-token batch with every row's logits (what a DFlash verify asks) vs one decode step."""
         decode, batch = [], []
@@ -190,13 +204,32 @@ def _generate(model_name: str, gguf: str, prompt_ids: Sequence[int], max_tokens:
     generate(4)
     tokens, prefill_s, decode_s = generate(max_tokens)
     return PeerResult("llama.cpp " + llama_cpp.__version__, model_name, threads, len(prompt_ids), len(tokens),
-                      len(prompt_ids) / prefill_s, (len(tokens) - 1) / decode_s if decode_s else 0.0,
-                      tokens, verify_steps(), load_s, peak_rss()).to_dict()
+                      len(prompt_ids) / prefill_s, _decode_tps(tokens, decode_s), tokens, verify_steps(), load_s,
+                      peak_rss()).to_dict()
+
+
+def resident_llama_cpp(gguf: Path, prompt_ids: Sequence[int], *, n_ctx: int) -> Resident:
+    """llama.cpp loaded in a process that stays (child.Resident): each ask({"tokens": n})
+    decodes n tokens after `prompt_ids`, greedy, and answers {"decode_tps"}."""
+    request = dict(gguf=str(gguf), prompt_ids=[int(i) for i in prompt_ids], n_ctx=n_ctx)
+    return Resident(__name__, request, f"llama.cpp on {gguf}", PEER_TIMEOUT_S)
+
+
+def _resident(gguf: str, prompt_ids: Sequence[int], n_ctx: int):
+    llm, load_s, generate = _session(gguf, prompt_ids, n_ctx, usable_cpus())
+    generate(4)
+
+    def burst(tokens: int) -> dict:
+        out, _, decode_s = generate(tokens)
+        return {"decode_tps": _decode_tps(out, decode_s)}
+    return {"load_s": load_s}, burst
 
 
 if __name__ == "__main__":  # `--build-command` prints the rebuild; otherwise one request on stdin
     if sys.argv[1:] == ["--build-command"]:
         print(portable_build_command())
+    elif sys.argv[1:] == [RESIDENT]:
+        serve_resident(_resident)
     else:
         request = json.loads(sys.stdin.read())
         print(json.dumps({"generate": _generate, "load": _load, "quantize": _quantize}[request.pop("op")](**request)))

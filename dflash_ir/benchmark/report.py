@@ -24,6 +24,7 @@ class Results:
     serve: list[dict[str, Any]] = field(default_factory=list)  # dflash-serve's scheduler, batched or not
     peer: list[dict[str, Any]] = field(default_factory=list)
     scale: list[dict[str, Any]] = field(default_factory=list)  # compile, load, memory, speed per process
+    bursts: list[dict[str, Any]] = field(default_factory=list)  # decode in turns with llama.cpp, both loaded
     failures: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,6 +151,15 @@ def markdown(r: Results) -> str:
                              ", ".join(f"{x:.2f}" for x in s["peer_decode_tps"]),
                              ", ".join(f"{x:.2f}" for x in s["ratios"]), f"{s['median_ratio']:.2f}"]
                             for s in against]), ""]
+    if r.bursts:
+        out += ["Decode in turns with llama.cpp, both engines loaded at once (`--bursts`; the order swapped every "
+                "round):", "",
+                _table(["model", "engine", "tokens a round", "decode tok/s", "llama.cpp decode tok/s", "ratios",
+                        "median ratio"],
+                       [[d["model"], d["engine"], d["tokens"], ", ".join(f"{x:.2f}" for x in d["decode_tps"]),
+                         ", ".join(f"{x:.2f}" for x in d["peer_decode_tps"]),
+                         ", ".join(f"{x:.2f}" for x in d["ratios"]), f"{d['median_ratio']:.2f}"] for d in r.bursts]),
+                ""]
     if r.failures:
         out += ["## Failures", ""] + [f"- {f['where']}: {f['error']}" for f in r.failures] + [""]
     return "\n".join(out)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .child import run_child
+from .child import RESIDENT, Resident, run_child, serve_resident
 from .measure import peak_rss
 from .models import BenchModel
 
@@ -88,21 +88,52 @@ def run_scale(backend: str, model: BenchModel, work_dir: Path, *, max_tokens: in
               numerics: str = "exact") -> ScaleResult:
     """Compile `model` for `backend` in `numerics` (timed, once per work folder), then a cold
     load and a warm load + run, each in a child process."""
-    from .e2e import artifact_folder, run_label
+    from .e2e import run_label
 
-    label = run_label(backend, numerics)
-    out = artifact_folder(work_dir, model, backend, numerics, SCALE_CTX)
+    out, compiled = _compiled(backend, model, work_dir, numerics)
     files = [model.target, model.draft]
-    compiled = None
-    if not (out / "manifest.yaml").is_file():
-        compiled = _child(dict(op="compile", target=str(model.target), draft=str(model.draft), out=str(out),
-                               backend=backend, numerics=numerics), f"compiling {model.name} for {label}")
     evict(files)
     cold = _child(dict(op="load", artifact=str(out)), f"loading {out} cold")
     warm = _child(dict(op="run", artifact=str(out), max_tokens=max_tokens), f"running {out}")
-    return ScaleResult(label, model.name, sum(p.stat().st_size for p in files), warm["state_bytes"],
+    return ScaleResult(run_label(backend, numerics), model.name, sum(p.stat().st_size for p in files),
+                       warm["state_bytes"],
                        compiled["seconds"] if compiled else None, cold["load_s"], warm["load_s"], warm["peak_rss"],
                        warm["prefill_tps"], warm["decode_tps"], warm["generated_tokens"], warm["verify16_steps"])
+
+
+def _compiled(backend: str, model: BenchModel, work_dir: Path, numerics: str) -> tuple[Path, dict | None]:
+    """The pair's artifact folder for this run, compiled once per work folder (in a child
+    process), and that compile's answer (None where it was there already)."""
+    from .e2e import artifact_folder, run_label
+
+    out = artifact_folder(work_dir, model, backend, numerics, SCALE_CTX)
+    if (out / "manifest.yaml").is_file():
+        return out, None
+    request = dict(op="compile", target=str(model.target), draft=str(model.draft), out=str(out), backend=backend,
+                   numerics=numerics)
+    return out, _child(request, f"compiling {model.name} for {run_label(backend, numerics)}")
+
+
+def decode_bursts(backend: str, model: BenchModel, work_dir: Path, *, rounds: int, tokens: int,
+                  numerics: str = "exact") -> dict:
+    """Our decode and llama.cpp's in turns, both engines loaded at once in processes that stay
+    (child.Resident): `rounds` rounds of a `tokens`-token greedy decode after the same prompt
+    each, the order swapped every round so that a drift of the machine's memory bandwidth
+    falls on both alike; per round our tok/s over llama.cpp's, and their median. The pair is
+    compiled as run_scale compiles it (once per work folder)."""
+    from .e2e import run_label
+    from .peer import resident_llama_cpp
+
+    out = _compiled(backend, model, work_dir, numerics)[0]
+    ours_tps, peer_tps = [], []
+    with Resident(__name__, dict(artifact=str(out)), f"running {out}", CHILD_TIMEOUT_S) as ours, \
+            resident_llama_cpp(model.target, _prompt_ids(), n_ctx=SCALE_CTX) as peer:
+        for i in range(rounds):
+            for engine in (ours, peer) if i % 2 == 0 else (peer, ours):
+                (ours_tps if engine is ours else peer_tps).append(engine.ask({"tokens": tokens})["decode_tps"])
+    ratios = [a / b for a, b in zip(ours_tps, peer_tps)]
+    return {"model": model.name, "engine": run_label(backend, numerics), "tokens": tokens, "decode_tps": ours_tps,
+            "peer_decode_tps": peer_tps, "ratios": ratios, "median_ratio": statistics.median(ratios)}
 
 
 def run_llama_cpp_scale(model: BenchModel, *, max_tokens: int) -> ScaleResult:
@@ -152,6 +183,19 @@ def _load_only(artifact: str) -> dict:
     return {"load_s": _load(artifact)[1]}
 
 
+def _resident(artifact: str):
+    from .e2e import after_first_tps
+
+    engine, load_s = _load(artifact)
+    ids = _prompt_ids()
+    engine.generate(prompt_ids=ids, max_tokens=2, speculative=False, ignore_eos=True)  # first launches at these sizes
+
+    def burst(tokens: int) -> dict:
+        plain = engine.generate(prompt_ids=ids, max_tokens=tokens, speculative=False, ignore_eos=True)
+        return {"decode_tps": after_first_tps(plain)}
+    return {"load_s": load_s}, burst
+
+
 def _run(artifact: str, max_tokens: int) -> dict:
     from .e2e import after_first_tps, verify_cost_in_decode_steps
 
@@ -167,5 +211,8 @@ def _run(artifact: str, max_tokens: int) -> dict:
 
 
 if __name__ == "__main__":  # one request on stdin, its JSON answer on the last line of stdout
-    request = json.loads(sys.stdin.read())
-    print(json.dumps({"compile": _compile, "load": _load_only, "run": _run}[request.pop("op")](**request)))
+    if sys.argv[1:] == [RESIDENT]:
+        serve_resident(_resident)
+    else:
+        request = json.loads(sys.stdin.read())
+        print(json.dumps({"compile": _compile, "load": _load_only, "run": _run}[request.pop("op")](**request)))

@@ -229,7 +229,7 @@ def test_scale_suite_measures_compile_loads_memory_and_speed_in_processes_of_the
     out = tmp_path / "out"
     backend = "opencl" if "opencl" in _cpu_backends() else "numpy"
     assert cli.main(["--quick", "-b", backend, "--suites", "scale", "--models", "synthetic", "--repeats", "2",
-                     "-o", str(out)]) == 0
+                     "--bursts", "3", "-o", str(out)]) == 0
     r = json.loads((out / "results.json").read_text())
     assert r["failures"] == []
     model = synthetic_model(small=True)
@@ -249,7 +249,22 @@ def test_scale_suite_measures_compile_loads_memory_and_speed_in_processes_of_the
         assert theirs["compile_s"] is None and theirs["state_bytes"] is None
         assert theirs["file_bytes"] == model.target.stat().st_size and theirs["peak_rss_bytes"] > theirs["file_bytes"]
         assert "Decode against llama.cpp's in the same alternation" in (out / "results.md").read_text()
+        (bursts,) = r["bursts"]  # both engines loaded at once, decoding in turns
+        assert (bursts["model"], bursts["engine"], bursts["tokens"]) == (model.name, ours["engine"], 16)
+        assert len(bursts["decode_tps"]) == len(bursts["peer_decode_tps"]) == 3
+        assert bursts["ratios"] == pytest.approx([a / b for a, b in zip(bursts["decode_tps"], bursts["peer_decode_tps"])])
+        assert bursts["median_ratio"] == pytest.approx(sorted(bursts["ratios"])[1])
+        assert "Decode in turns with llama.cpp" in (out / "results.md").read_text()
+    else:
+        assert r["bursts"] == []
     assert "## Scale: compile, load, memory and speed" in (out / "results.md").read_text()
+
+
+def test_a_resident_child_that_cannot_load_names_the_work_and_its_error(tmp_path):
+    from dflash_ir.benchmark.child import Resident
+
+    with pytest.raises(RuntimeError, match=r"(?s)loading nothing failed \(exit 1\): .*no manifest.yaml: not a dflash-ir artifact"):
+        Resident("dflash_ir.benchmark.scale", {"artifact": str(tmp_path / "none")}, "loading nothing", 120)
 
 
 def test_decode_is_compared_with_llama_cpps_of_the_same_alternation():
@@ -269,10 +284,11 @@ def test_decode_is_compared_with_llama_cpps_of_the_same_alternation():
     assert b["ratios"] == [] and b["median_ratio"] is None
 
 
-def test_repeats_below_one_are_refused(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["--suites", "scale", "--repeats", "0"])
-    assert exit_.value.code == 2 and "--repeats must be at least 1, not 0" in capsys.readouterr().err
+def test_repeats_below_one_and_negative_bursts_are_refused(capsys):
+    for flag, value, says in (("--repeats", "0", "at least 1"), ("--bursts", "-1", "0 or more")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["--suites", "scale", flag, value])
+        assert exit_.value.code == 2 and f"{flag} must be {says}, not {value}" in capsys.readouterr().err
 
 
 def test_evict_drops_a_file_from_the_page_cache(tmp_path):

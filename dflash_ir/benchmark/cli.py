@@ -298,15 +298,10 @@ class Bench:
     def bursts(self, backends, m, rows: list[dict]) -> None:
         """--bursts: our decode and llama.cpp's in turns, both loaded at once (scale.decode_bursts),
         where the two peak resident sets this run measured fit in the memory available."""
-        peaks = {r["engine"]: r["peak_rss_bytes"] for r in rows}
-        theirs = max((v for e, v in peaks.items() if e.startswith("llama.cpp")), default=None)
         for backend, numerics, label in self.runs(backends):
-            need = None if theirs is None or label not in peaks else theirs + peaks[label]
-            free = available_memory()
-            if need is None or need > free:
-                self.say(f"  {m.name:10s} {label:10s} decode bursts skipped: both engines loaded at once need "
-                         + (f"{need / 1e9:.1f} GB (their peak RSS), {free / 1e9:.1f} GB are available" if need
-                            else "both engines' peak RSS from this run's scale rows"))
+            skip = scale_suite.bursts_unfit(rows, label, available_memory())
+            if skip:
+                self.say(f"  {m.name:10s} {label:10s} decode bursts skipped: {skip}")
                 continue
             n = self.args.max_tokens
             d = self.attempt(f"bursts/{label}/{m.name}", lambda: scale_suite.decode_bursts(

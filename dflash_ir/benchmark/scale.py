@@ -114,6 +114,20 @@ def _compiled(backend: str, model: BenchModel, work_dir: Path, numerics: str) ->
     return out, _child(request, f"compiling {model.name} for {run_label(backend, numerics)}")
 
 
+def bursts_unfit(rows: Sequence[dict], engine: str, available: int) -> str | None:
+    """Why `engine` and llama.cpp cannot be loaded at once for decode_bursts (None: they can):
+    the sum of their peak resident sets in this run's scale rows against `available` bytes."""
+    ours = [r["peak_rss_bytes"] for r in rows if r["engine"] == engine]
+    theirs = [r["peak_rss_bytes"] for r in rows if r["engine"].startswith("llama.cpp")]
+    if not ours or not theirs:
+        return f"this run has no peak RSS of {'llama.cpp' if ours else engine} (its scale run failed)"
+    need = max(ours) + max(theirs)
+    if need > available:
+        return (f"both engines loaded at once need {need / 1e9:.1f} GB (their peak RSS), "
+                f"{available / 1e9:.1f} GB are available")
+    return None
+
+
 def decode_bursts(backend: str, model: BenchModel, work_dir: Path, *, rounds: int, tokens: int,
                   numerics: str = "exact") -> dict:
     """Our decode and llama.cpp's in turns, both engines loaded at once in processes that stay

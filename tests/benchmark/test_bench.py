@@ -260,6 +260,18 @@ def test_scale_suite_measures_compile_loads_memory_and_speed_in_processes_of_the
     assert "## Scale: compile, load, memory and speed" in (out / "results.md").read_text()
 
 
+def test_decode_bursts_run_only_where_both_engines_fit_in_memory():
+    from dflash_ir.benchmark.scale import bursts_unfit
+
+    rows = [{"engine": "opencl/q8", "peak_rss_bytes": 8e9}, {"engine": "llama.cpp 0.3", "peak_rss_bytes": 9e9},
+            {"engine": "opencl/q8", "peak_rss_bytes": 7e9}]
+    assert bursts_unfit(rows, "opencl/q8", 17e9) is None
+    assert bursts_unfit(rows, "opencl/q8", 16.9e9) == ("both engines loaded at once need 17.0 GB (their peak RSS), "
+                                                       "16.9 GB are available")
+    assert bursts_unfit(rows, "vulkan", 100e9) == "this run has no peak RSS of vulkan (its scale run failed)"
+    assert bursts_unfit(rows[:1], "opencl/q8", 100e9) == "this run has no peak RSS of llama.cpp (its scale run failed)"
+
+
 def test_a_resident_child_that_cannot_load_names_the_work_and_its_error(tmp_path):
     from dflash_ir.benchmark.child import Resident
 

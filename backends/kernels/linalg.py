@@ -465,9 +465,11 @@ TILES = {False: ((1, 4, 1, 1), (2, 4, 2, 2), (4, 4, 3, 4), (8, 2, 5, 8), (16, 1,
 # ... except that a one-row tile over another block type's pack (a decode's K-quant product)
 # takes one group: each group's scales, offsets and words of a sub-block are live at once, and
 # four groups' spilled. One-row q8 products from memory, 24576 x 4096, four groups against
-# one, medians of alternations in one process (2-core Zen 4): Q2_K 18.8 -> 30.2 GB/s, Q3_K
-# 27.2 -> 32.7, Q4_K 22.6 -> 27.2 (memory-bound phase) and 32.9 -> 41.5 (faster phase), Q6_K
-# 32.2 -> 35.5, Q5_0 32.1 -> 34.0, Q4_0 level; Q8_0 ran slower with one (24-26 against 30)
+# one, medians of alternations in one process (2-core Zen 4): Q2_K 18.8 -> 30.2 GB/s and
+# Q3_K 27.2 -> 32.7 (runs unrolled in both), Q5_K 23.8 -> 26.5 (looped in both), Q4_K 22.6
+# -> 27.2 (memory-bound phase) and 32.9 -> 41.5 (faster phase) and Q6_K 32.2 -> 35.5 (from
+# the four-group loop to one group unrolled), Q5_0 32.1 -> 34.0, Q4_0 level; Q8_0 ran
+# slower with one (24-26 against 30)
 BLOCK_ROW_GROUPS = 1
 # the block types whose one-row decode tiles unroll their runs of 32 (_q8_x_tile_blocks), so
 # that each run's scale and offset bytes sit at constant positions; one group, loop against

@@ -49,7 +49,7 @@ class Resident:
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         try:
-            self.loaded = self.ask(request)
+            self.ask(request)  # the load
         except BaseException:
             self.close()
             raise

@@ -153,16 +153,12 @@ class DFlashDraft(nn.Module):
             return h, self.logits(h[1:])
 
 
-def draft_loss(draft: DFlashDraft, tokens: torch.Tensor, *, first_anchor: int, n_anchors: int,
-               generator: torch.Generator, feats: torch.Tensor | None = None) -> torch.Tensor:
-    """DFlash block loss on sequences `tokens` [B, L] (features computed unless given)."""
+def _block_rows(draft: DFlashDraft, tokens: torch.Tensor, anchors: torch.Tensor, feats: torch.Tensor):
+    """Final hidden states of rows 1.. of the block at each anchor [B, nA, Bs-1, H], and their
+    labels (the tokens there) [B, nA, Bs-1]: all blocks of a sequence in one forward."""
     hp = draft.hp
     Bn, L = tokens.shape
-    Bs = hp.block_size
-    feats = draft.features(tokens) if feats is None else feats
-    # anchors: distinct random positions per sequence whose whole block lies inside the sequence
-    span = L - Bs - first_anchor + 1
-    anchors = torch.stack([torch.randperm(span, generator=generator)[:n_anchors] for _ in range(Bn)]) + first_anchor
+    Bs, n_anchors = hp.block_size, anchors.shape[1]
     offs = torch.arange(Bs)
     pos = (anchors[..., None] + offs).reshape(Bn, -1)  # [B, nA*Bs] absolute positions of block rows
     block_ids = torch.full_like(pos, hp.mask_token_id)
@@ -174,7 +170,31 @@ def draft_loss(draft: DFlashDraft, tokens: torch.Tensor, *, first_anchor: int, n
     own = (blk[:, None] == blk[None, :]).expand(Bn, -1, -1)
     mask = torch.cat([ctx_ok, own], 2)[:, None]
     h = draft.hidden(feats, torch.arange(L), block_ids, pos, mask).view(Bn, n_anchors, Bs, -1)[:, :, 1:]
+    return h, labels
+
+
+def draft_loss(draft: DFlashDraft, tokens: torch.Tensor, *, first_anchor: int, n_anchors: int,
+               generator: torch.Generator, feats: torch.Tensor | None = None) -> torch.Tensor:
+    """DFlash block loss on sequences `tokens` [B, L] (features computed unless given)."""
+    hp = draft.hp
+    Bn, L = tokens.shape
+    Bs = hp.block_size
+    feats = draft.features(tokens) if feats is None else feats
+    # anchors: distinct random positions per sequence whose whole block lies inside the sequence
+    span = L - Bs - first_anchor + 1
+    anchors = torch.stack([torch.randperm(span, generator=generator)[:n_anchors] for _ in range(Bn)]) + first_anchor
+    h, labels = _block_rows(draft, tokens, anchors, feats)
     logits = draft.logits(h)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     w = torch.exp(-torch.arange(Bs - 1, dtype=torch.float32) / hp.gamma).expand(Bn, n_anchors, -1).reshape(-1)
     return (ce * w).sum() / w.sum()
+
+
+def accepted_per_block(draft: DFlashDraft, tokens: torch.Tensor, anchors: torch.Tensor,
+                       feats: torch.Tensor) -> torch.Tensor:
+    """How many of each block's greedy proposals a greedy target whose output is `tokens` [1, L]
+    would accept (the leading run of matches): tau = 1 + their mean, as speculation measures it."""
+    with torch.no_grad():
+        h, labels = _block_rows(draft, tokens, anchors[None], feats)
+        hits = (draft.logits(h).argmax(-1) == labels)[0].int()
+    return hits.cumprod(-1).sum(-1)

@@ -9,8 +9,10 @@ import torch
 
 
 def fit(params, loss_fn: Callable[[int], torch.Tensor], *, steps: int, lr: float, warmup: int = 100,
-        weight_decay: float = 0.1, clip: float = 1.0, log: Callable[[str], None] = print, every: int = 50) -> float:
-    """Run `steps` steps of `loss_fn(step)`; returns the wall time in seconds."""
+        weight_decay: float = 0.1, clip: float = 1.0, log: Callable[[str], None] = print, every: int = 50,
+        check: Callable[[int], None] | None = None, check_every: int = 0) -> float:
+    """Run `steps` steps of `loss_fn(step)`, calling `check(step)` after every `check_every`
+    steps and the last (validation, keeping the best); returns the wall time in seconds."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
@@ -31,4 +33,6 @@ def fit(params, loss_fn: Callable[[int], torch.Tensor], *, steps: int, lr: float
             el = time.perf_counter() - t0
             log(f"step {step + 1}/{steps} loss {running:.3f} lr {sched.get_last_lr()[0]:.2e} {el:.0f}s "
                 f"({el / (step + 1):.2f}s/step)")
+        if check and ((step + 1) % check_every == 0 or step + 1 == steps):
+            check(step + 1)
     return time.perf_counter() - t0

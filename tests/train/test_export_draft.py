@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from dflash_ir.artifact import open_engine  # noqa: E402
 from dflash_ir.models.generator import tiny_vocab  # noqa: E402
 from train import export  # noqa: E402
-from train.draft import DFlashDraft, DraftHParams, draft_loss, hf_config  # noqa: E402
+from train.draft import DFlashDraft, DraftHParams, accepted_per_block, draft_loss, hf_config  # noqa: E402
 
 
 def _random_draft(target) -> DFlashDraft:
@@ -61,3 +61,28 @@ def test_training_mask_equals_inference_view(tiny_hp, random_target):
     ce = torch.nn.functional.cross_entropy(logits, tokens[0, a + 1:a + 16], reduction="none")
     w = torch.exp(-torch.arange(15.0) / draft.hp.gamma)
     torch.testing.assert_close(loss, (ce * w).sum() / w.sum(), atol=1e-4, rtol=1e-4)
+
+
+def test_accepted_per_block_is_the_run_of_proposals_a_greedy_target_keeps(tiny_hp, random_target):
+    """The validation measure of train/smollm2.py: where the sequence continues with the block's
+    greedy proposals (made by the single-block inference forward) but for another token after the
+    first m, m are accepted (not the 14 that match), whatever other blocks share the forward."""
+    draft = _random_draft(random_target)
+    V, a = tiny_hp.vocab_size - 1, 30
+    base = torch.randint(0, V, (1, 60), generator=torch.Generator().manual_seed(5))
+
+    def proposals(tokens, anchor):
+        return draft.first_block(draft.features(tokens)[0, :anchor], int(tokens[0, anchor]))[1].argmax(-1)
+
+    def kept(tokens, anchor):  # the leading run of proposals equal to the tokens after the anchor
+        hits = (proposals(tokens, anchor) == tokens[0, anchor + 1:anchor + 16]).int()
+        return int(hits.cumprod(0).sum())
+
+    made = proposals(base, a)  # depend on tokens up to the anchor only: the target is causal
+    for m in (0, 3, 15):
+        tokens = base.clone()
+        tokens[0, a + 1:a + 16] = made
+        if m < 15:
+            tokens[0, a + 1 + m] = (made[m] + 1) % V
+        got = accepted_per_block(draft, tokens, torch.tensor([a - 10, a, a + 5]), draft.features(tokens))
+        assert got.tolist() == [kept(tokens, a - 10), m, kept(tokens, a + 5)]

@@ -6,7 +6,8 @@ llama/qwen3 GGUF with a ChatML template), never retrained. Stages
   regen   the target's own greedy answers to the training prompts of train/chat_prompts.py
           (ChatML, up to --new tokens), and the tap-layer features of every prompt and answer
           position, both from this project's runtime on --backend          -> regen.npz
-  draft   the DFlash draft on them (train/draft.py: random anchors, block loss) -> draft.pt
+  draft   the DFlash draft on them (train/draft.py: random anchors, block loss), the step whose
+          proposals a validation split of the answers accepts most      -> draft.pt
   export  the Q8_0 draft GGUF, carrying the target's tokenizer              -> --out
 Timings go to <work>/timings.json. --prompts / --steps shrink a run (a smoke test).
 """

@@ -12,14 +12,25 @@ from dflash_ir.models.gguf_file import open_gguf
 pytest.importorskip("torch", reason="torch is not installed (the train extra)")
 
 
-def test_smoke_run_makes_a_draft_for_its_target(tmp_path):
+def test_smoke_run_makes_a_draft_for_its_target(tmp_path, monkeypatch, capsys):
+    import re
+
+    import torch
+
     from train import smollm2
+
+    monkeypatch.setattr(smollm2, "CHECK_EVERY", 1)
 
     target = write_target(tmp_path / "target.gguf", tiny_target_config("llama", n_layer=6), dtype="f32", seed=1)
     out = tmp_path / "draft.gguf"
     args = ["--target", str(target), "--mask", "<|MASK|>", "--work", str(tmp_path / "work"), "--out", str(out),
-            "--prompts", "3", "--new", "24", "--steps", "2", "--backend", "numpy", "--threads", "1"]
+            "--prompts", "3", "--new", "24", "--steps", "3", "--backend", "numpy", "--threads", "1"]
     assert smollm2.main(args) == 0
+    checks = [(int(step), float(tau)) for step, tau in re.findall(r"step (\d+): validation tau ([\d.]+)",
+                                                                  capsys.readouterr().out)]
+    assert [step for step, _ in checks] == [1, 2, 3]
+    kept = torch.load(tmp_path / "work" / "draft.pt")  # the best-validated step's draft is the one saved
+    assert (kept["step"], round(kept["validation_tau"], 3)) == max(checks, key=lambda c: (c[1], -c[0]))
     regen = np.load(tmp_path / "work" / "regen.npz")
     assert len(regen["lengths"]) == 3 and regen["features"].shape == (regen["lengths"].sum(), 3 * 64)
     cfg = DraftConfig.from_gguf(open_gguf(out))

@@ -1,7 +1,7 @@
-"""Hand-scheduled TensorIR for the llvm target: the products of every block type and of f32
-weights, the Q8_0 expert products, attention and the gated delta rule as explicit loop nests
-(dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native OpenCL
-kernels here).
+"""Hand-scheduled TensorIR for the llvm target: the products of every block type and of
+f32, f16 and bf16 weights, the Q8_0 expert products, attention and the gated delta rule as
+explicit loop nests (dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind
+the native OpenCL kernels here).
 
 The Q8_0 product:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dflash_ir.dtypes import DType
 from dflash_ir.types import Dim
 
-from .tir import f32, sub_block
+from .tir import f32, sub_block, weight_at
 
 LANES = 16  # f32 lanes of one AVX-512 vector
 # (rows per pass, columns per task): a pass keeps rows x columns vectors of partial sums in
@@ -43,8 +43,8 @@ def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype:
     are a small buffer of its own, rows unrolled here: TVM 0.27 makes a "global" buffer
     under 1 KiB inside a parallel loop a stack array of the task (a "local" one is a heap
     workspace per iteration), which LLVM keeps in registers. w holds Q8_0 blocks (each f16
-    scale decoded once for its 16-lane halves), f32 rows (a router's, a gate's), or another
-    block type's, each weight decoded by its block decoder (dflash_ir/blocks.py)."""
+    scale decoded once for its 16-lane halves), f32, f16 or bf16 rows (a router's, a gate's),
+    or another block type's, each weight decoded by its block decoder (dflash_ir/blocks.py)."""
     blocks = k // 32
     column = f"{w_first}cg * {cols} + c"
     share = []
@@ -53,8 +53,10 @@ def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype:
         scale = (f'T.Cast("float32", T.reinterpret("float16", T.bitwise_or(T.Cast("uint16", w[{at}]), '
                  f'T.shift_left(T.Cast("uint16", w[{at} + 1]), T.uint16(8)))))')
         weight = f'{scale} * T.Cast("float32", T.reinterpret("int8", w[{at} + 2 + h * {LANES} + l]))'
-    elif dtype is DType.F32:
-        weight = f"w[({column}) * {k} + b * 32 + h * {LANES} + l]"
+    elif dtype is DType.F16:  # converted by the CPU (F16C), exactly
+        weight = f'T.Cast("float32", T.reinterpret("float16", w[({column}) * {k} + b * 32 + h * {LANES} + l]))'
+    elif not dtype.is_block:  # f32, bf16
+        weight = weight_at(dtype, "w", column, f"b * 32 + h * {LANES} + l", k)
     else:  # a block type: the 16 lanes' sub-block scale and offset decoded once
         scale, offset, code = sub_block(dtype, "w", column, f"b * 32 + h * {LANES}", k)
         share = [f"part[0] = {scale}"] + ([f"part[1] = {offset}"] if offset is not None else [])
@@ -95,9 +97,9 @@ def _nest(rows: int, cols: int, m: str, n: int, k: int, dtype: DType) -> list[st
 
 def product_nest(m: str, n: Dim, k: Dim, dtype: DType) -> str | None:
     """PrimFunc body computing out[m, n] = x[m, k] @ w[n, k]ᵀ with w in blocks of any type or
-    f32 rows, or None when the nest does not cover it (f16/bf16 weights, symbolic N or K, K
-    not a multiple of 32)."""
-    if not (dtype is DType.F32 or dtype.is_block) or not isinstance(n, int) or not isinstance(k, int) or k % 32:
+    f32, f16 or bf16 rows, or None when the nest does not cover it (symbolic N or K, K not a
+    multiple of 32)."""
+    if not isinstance(n, int) or not isinstance(k, int) or k % 32:
         return None
     variants = [(rows, _nest(rows, _widest(cols, n), m, n, k, dtype)) for rows, cols in PASSES]
     if m.isdigit():  # rows fixed at compile time

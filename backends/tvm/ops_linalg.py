@@ -2,8 +2,8 @@
 their storage: Q8_0 blocks of an f16 scale + 32 int8 quants), the specialised matmuls
 (optional residual; x may be Q8_0 blocks, made by quantize_q8_0 as quantize_row_q8_0) and
 expert_matmul. Products are reduction blocks, which dlight's GEMV / matmul rules schedule;
-on the llvm target those with block-type or f32 weights and f32 x take cpu_schedules.py's
-loop nests."""
+on the llvm target those of an f32 x (weights of any dtype, K a multiple of 32) take
+cpu_schedules.py's loop nests."""
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType

@@ -7,6 +7,8 @@ import pytest
 
 from kernel_cases import CASES, case_graph, compare
 
+UNSCHEDULED = "matmul_q8_0_q8_x_1_rows"  # no hand schedule (products of a Q8_0 x): tunable
+
 
 def test_tuned_plan_launches_each_specialisation_for_its_rows_only(tvm):
     from dflash_ir.backends.plan import compile_expr
@@ -32,7 +34,7 @@ def test_untuned_compile_never_starts_metaschedule(tvm, tmp_path, monkeypatch):
         raise AssertionError("MetaSchedule started without --tune")
 
     monkeypatch.setattr(tune, "_tune_one", refuse)
-    entry = tvm.compile(case_graph(CASES["matmul_f16_1_rows"].build()), tmp_path)
+    entry = tvm.compile(case_graph(CASES[UNSCHEDULED].build()), tmp_path)
     assert "tuning" not in entry and not any("_rows" in k for k in entry["kernels"])
 
 
@@ -53,7 +55,7 @@ def test_tuning_records_are_written_reused_and_the_tuned_kernel_is_correct(tvm, 
 
     monkeypatch.setenv("DFLASH_IR_TUNING_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tune, "ROWS", (1,))
-    name = "matmul_f16_1_rows"  # no hand schedule: tunable
+    name = UNSCHEDULED
     graph = case_graph(CASES[name].build())
 
     first = get_backend("tvm-llvm")
@@ -80,7 +82,7 @@ def test_damaged_tuning_record_is_named(tvm, tmp_path, monkeypatch):
     from dflash_ir.backends.tvm.lowering import lower
 
     monkeypatch.setenv("DFLASH_IR_TUNING_CACHE", str(tmp_path))
-    kernels = lower(case_graph(CASES["matmul_f16_1_rows"].build()))[1]
+    kernels = lower(case_graph(CASES[UNSCHEDULED].build()))[1]
     name = next(n for n, k in kernels.items() if tune.tunable(k))
     damaged = tmp_path / f"{tune._key(host_llvm(), kernels[name], tune.ROWS[0])}.json"
     damaged.write_text("{not json")

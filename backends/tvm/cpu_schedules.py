@@ -170,12 +170,15 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
     keys (kv_len is read in the kernel, so one kernel serves every cache fill) in steps of
     KEYS at multiples of KEYS (so a row's sums do not depend on the rows beside it: batch
     invariance), and each step's keys and values, read once, serve every query head of the
-    group in every row of the block. Per row and head, a step makes its keys' scores (the dot
-    products in two chains of FMAs each), rescales the running sums once if the step
-    raised the max, takes the exps as one vector (exp_nonpositive), and adds the weighted
-    values into registers, four slices of the output side by side (one slice at a time
-    chained every key's FMA to the last: 3x slower). Keys a row's mask hides are never read
-    (an unfilled cache row may hold anything: a weight of 0 times it could be NaN)."""
+    group in every row of the block. Per row, a step makes its keys' scores for every head
+    of the group at once: each slice of a key, loaded once, feeds the group's dot products,
+    independent chains of FMAs (one head at a time took two loads per FMA, and the verify
+    ran 1.7x behind opencl; 1.2x so). Then per head it rescales the running sums once if the
+    step raised the max and takes the exps as one vector (exp_nonpositive); the weighted
+    values are summed in registers the same way, each slice of a value loaded once for the
+    group, `ways` slices of each head's output side by side (one slice at a time chained
+    every key's FMA to the last: 3x slower). Keys a row's mask hides are never read (an
+    unfilled cache row may hold anything: a weight of 0 times it could be NaN)."""
     group, rows = hq // hkv, ATTENTION_ROWS
     heads = rows * group
     ld, lv = _widest(LANES, d), _widest(LANES, dv)
@@ -193,49 +196,60 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
     hi = f"T.min(n, n - {t} + {last} + 1)" if causal else "n"
     lo = f"T.max(n - {t} + {first} - {window} + 1, 0)" if window else "0"
     chunks = d // ld
-    chains = 2 if chunks % 2 == 0 else 1  # independent sums per dot product (FMA latency)
-    ways = _widest(4, dv // lv)  # output slices summed side by side
+    # independent sums per dot product, for the FMA latency: the group's heads are such sums
+    chains = 2 if chunks % 2 == 0 and group < 4 else 1
+    # output slices each head sums side by side: ways x group vectors of partial sums, at most 16
+    ways = _widest(1 << (min(4, max(1, LANES // group)).bit_length() - 1), dv // lv)
+
+    def each_head(body: list[str], lanes: int) -> list[str]:
+        return [f"for g in T.unroll({group}):", f"    for l in T.vectorized({lanes}):", *_indent(body, 2)]
     dot = [line for a in range(chains) for line in
-           (f"for l in T.vectorized({ld}):", f"    dot{a}[l] = q[{q_at} + {a * ld} + l] * k[{k_at} + {a * ld} + l]")]
+           each_head([f"dot{a}[g * {ld} + l] = q[{q_at} + {a * ld} + l] * k[{k_at} + {a * ld} + l]"], ld)]
     if chunks > chains:
+        at = f"(c * {chains} + {{a}}) * {ld} + l"
         dot += [f"for c in range(1, {chunks // chains}):"]
         for a in range(chains):
-            at = f"(c * {chains} + {a}) * {ld} + l"
-            dot += [f"    for l in T.vectorized({ld}):", f"        dot{a}[l] = dot{a}[l] + q[{q_at} + {at}] * k[{k_at} + {at}]"]
-    both = " + ".join(f"dot{a}[l]" for a in range(chains))
-    dot += [f"for l in T.vectorized({ld}):", f"    lanes[l] = {both}", *_vector_fold("lanes", ld, "+"),
-            f"score[j - j0] = lanes[0] * {f32(scale)}"]
-    head = [f"for l in T.vectorized({KEYS}):", f"    score[l] = {f32(float('-inf'))}",
+            dot += _indent(each_head([f"dot{a}[g * {ld} + l] = dot{a}[g * {ld} + l] + "
+                                      f"q[{q_at} + {at.format(a=a)}] * k[{k_at} + {at.format(a=a)}]"], ld), 1)
+    both = " + ".join(f"dot{a}[g * {ld} + l]" for a in range(chains))
+    dot += [f"for g in T.unroll({group}):", f"    for l in T.vectorized({ld}):", f"        lanes[l] = {both}",
+            *_indent(_vector_fold("lanes", ld, "+"), 1),
+            f"    score[g * {KEYS} + j - j0] = lanes[0] * {f32(scale)}"]
+    bookkeeping = [
+        f"for l in T.vectorized({KEYS}):", f"    top[l] = score[g * {KEYS} + l]", *_vector_fold("top", KEYS, "T.max"),
+        f"if top[0] > m[{slot}]:",  # a new running max: rescale what was summed so far
+        f"    top[1] = T.exp(m[{slot}] - top[0])",
+        f"    total[{slot}] = total[{slot}] * top[1]",
+        f"    for i in range({dv}):", f"        acc[({slot}) * {dv} + i] = acc[({slot}) * {dv} + i] * top[1]",
+        f"    m[{slot}] = top[0]",
+        f"for l in T.vectorized({KEYS}):",
+        f"    weight[g * {KEYS} + l] = T.if_then_else(score[g * {KEYS} + l] == {f32(float('-inf'))}, T.float32(0), "
+        f"{exp_nonpositive(f'score[g * {KEYS} + l] - m[{slot}]')})",
+        f"for l in T.vectorized({KEYS}):", f"    top[l] = weight[g * {KEYS} + l]", *_vector_fold("top", KEYS, "+"),
+        f"total[{slot}] = total[{slot}] + top[0]"]
+    span = lv * ways
+    part = f"out_part[g * {span} + w * {lv} + l]"
+    values = [f"for c in range({dv // span}):",
+              *_indent(each_head([f"out_part[g * {span} + l] = acc[({slot}) * {dv} + c * {span} + l]"], span), 1),
+              "    for j in range(its_lo, its_hi):",
+              f"        for w in T.unroll({ways}):",
+              *_indent(each_head([f"{part} = {part} + weight[g * {KEYS} + j - j0] * "
+                                  f"v[(j * {hkv} + {kvh}) * {dv} + (c * {ways} + w) * {lv} + l]"], lv), 3),
+              *_indent(each_head([f"acc[({slot}) * {dv} + c * {span} + l] = out_part[g * {span} + l]"], span), 1)]
+    head = [f"for l in T.vectorized({group * KEYS}):", f"    score[l] = {f32(float('-inf'))}",
             "for j in range(its_lo, its_hi):", *_indent(dot, 1),
-            f"for l in T.vectorized({KEYS}):", "    top[l] = score[l]", *_vector_fold("top", KEYS, "T.max"),
-            f"if top[0] > m[{slot}]:",  # a new running max: rescale what was summed so far
-            f"    top[1] = T.exp(m[{slot}] - top[0])",
-            f"    total[{slot}] = total[{slot}] * top[1]",
-            f"    for i in range({dv}):", f"        acc[({slot}) * {dv} + i] = acc[({slot}) * {dv} + i] * top[1]",
-            f"    m[{slot}] = top[0]",
-            f"for l in T.vectorized({KEYS}):",
-            f"    weight[l] = T.if_then_else(score[l] == {f32(float('-inf'))}, T.float32(0), "
-            f"{exp_nonpositive(f'score[l] - m[{slot}]')})",
-            f"for l in T.vectorized({KEYS}):", "    top[l] = weight[l]", *_vector_fold("top", KEYS, "+"),
-            f"total[{slot}] = total[{slot}] + top[0]",
-            f"for c in range({dv // (lv * ways)}):",
-            f"    for l in T.vectorized({lv * ways}):", f"        out_part[l] = acc[({slot}) * {dv} + c * {lv * ways} + l]",
-            "    for j in range(its_lo, its_hi):",
-            f"        for w in T.unroll({ways}):",
-            f"            for l in T.vectorized({lv}):",
-            f"                out_part[w * {lv} + l] = out_part[w * {lv} + l] + weight[j - j0] * "
-            f"v[(j * {hkv} + {kvh}) * {dv} + (c * {ways} + w) * {lv} + l]",
-            f"    for l in T.vectorized({lv * ways}):", f"        acc[({slot}) * {dv} + c * {lv * ways} + l] = out_part[l]"]
+            f"for g in range({group}):", *_indent(bookkeeping, 1),
+            *values]
     lines = [f"for task in T.parallel({hkv} * {blocks}):",
              f'    acc = T.alloc_buffer(({heads * dv},), "float32", scope="global")',
              f'    m = T.alloc_buffer(({heads},), "float32", scope="global")',
              f'    total = T.alloc_buffer(({heads},), "float32", scope="global")',
-             *[f'    dot{a} = T.alloc_buffer(({ld},), "float32", scope="global")' for a in range(chains)],
+             *[f'    dot{a} = T.alloc_buffer(({group * ld},), "float32", scope="global")' for a in range(chains)],
              f'    lanes = T.alloc_buffer(({ld},), "float32", scope="global")',
-             f'    score = T.alloc_buffer(({KEYS},), "float32", scope="global")',
-             f'    weight = T.alloc_buffer(({KEYS},), "float32", scope="global")',
+             f'    score = T.alloc_buffer(({group * KEYS},), "float32", scope="global")',
+             f'    weight = T.alloc_buffer(({group * KEYS},), "float32", scope="global")',
              f'    top = T.alloc_buffer(({KEYS},), "float32", scope="global")',
-             f'    out_part = T.alloc_buffer(({lv * ways},), "float32", scope="global")',
+             f'    out_part = T.alloc_buffer(({group * lv * ways},), "float32", scope="global")',
              f"    n = T.min(kv_len[0], {cap})",
              f"    for i in range({heads}):",
              f"        m[i] = {f32(float('-inf'))}", "        total[i] = T.float32(0)",
@@ -247,8 +261,7 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
              f"            its_lo = T.max(j0, {row_lo})",
              f"            its_hi = T.min(j0 + {KEYS}, {row_hi})",
              f"            if {row} < {t} and its_lo < its_hi:",
-             f"                for g in range({group}):",
-             *_indent(head, 5),
+             *_indent(head, 4),
              f"    for r in range({rows}):",
              f"        if {row} < {t}:",
              f"            for g in range({group}):",

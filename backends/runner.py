@@ -408,8 +408,10 @@ class DeviceProgram:
                      repeats: int = 3) -> list[tuple[str, tuple[int, ...], float]]:
         """(kernel, work-groups, seconds) of each launch of a call with these inputs, in plan
         order: each launched alone once its predecessors have finished and timed to the
-        device's finish, less what a wait with nothing pending takes; the fastest of `repeats`
-        replays on freshly bound inputs. A launch is so priced where the call runs it, with
+        device's finish, less what a wait with nothing pending takes (the fastest such wait
+        timed just before each launch: timed once a replay, on a busy machine every sample
+        could come out slow, and every small launch's price negative); the fastest of
+        `repeats` replays on freshly bound inputs. A launch is so priced where the call runs it, with
         the caches its predecessors leave and its own launch overhead, and no price holds
         another launch's time (differences of whole-prefix timings did: their jitter moved
         milliseconds between neighbours). In-place updates (KV caches, recurrent states) are
@@ -422,10 +424,10 @@ class DeviceProgram:
         for attempt in range(repeats + 1):  # the first replay builds what a first launch builds
             self._prepare(inputs, states)  # a replay may have overwritten an input's slot
             wait()
-            t0 = time.perf_counter()
-            wait()
-            idle = min(idle, time.perf_counter() - t0)
             for i, launch in enumerate(launches):
+                t0 = time.perf_counter()
+                wait()
+                idle = min(idle, time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 _launch_each(self.device, [launch])
                 wait()

@@ -105,7 +105,7 @@ def expert_matmul(ctx: TVMNodeCtx) -> None:
     xv = weight_at(DType.Q8_0, "x", xrow, "c", k) if x.type.dtype is DType.Q8_0 else f"x[{xrow} * {K} + c]"
     term = f"{xv} * {weight_at(w.type.dtype, 'w', f'ids[p] * {N} + col', 'c', k)}"
     rows = prod(ids.type.shape)
-    nest = (expert_q8_product(rows, n, k, slots, x.type.rank == 2)
+    nest = (expert_q8_product(rows, n, k, w.type.shape[0], slots, x.type.rank == 2)
             if w.type.dtype is DType.Q8_0 and x.type.dtype is DType.F32 and isinstance(n, int) and isinstance(k, int)
             else "")
     ctx.kernel("expert_matmul", [("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)],

@@ -96,7 +96,7 @@ def packed_type(types: Sequence[TensorType]) -> TensorType:
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "min": min, "max": max}
 _NODES = (ast.Expression, ast.BinOp, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Call, ast.Name, ast.Load,
           ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.USub, ast.And, ast.Or,
-          ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq)
+          ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq, ast.Not)
 
 
 def symbol_param(symbol: str) -> str:

@@ -24,6 +24,7 @@ from ..runner import DeviceProgram, Resident
 from . import version
 from .build import TARGETS, DeviceKernel, build_gpu, build_llvm, digest
 from .lowering import lower
+from .nest_targets import OPENCL_CPU, NestTarget
 from .tune import SYMBOL, Tuned, tune
 
 
@@ -31,9 +32,14 @@ def gpu_plan(plan: Plan, launches: Mapping[str, list[DeviceKernel]]) -> Plan:
     """`plan` with each PrimFunc launch replaced by its device kernels' launches."""
     def expand(launch: Launch):
         for k in launches[launch.kernel]:
-            yield Launch(k.name, tuple(launch.buffers[i] for i in k.buffers), k.ints, k.groups, k.local, launch.when)
+            yield Launch(k.name, tuple(launch.buffers[i] for i in k.buffers), k.ints, k.groups, k.local,
+                         _both(launch.when, k.when))
 
     return _replan(plan, expand)
+
+
+def _both(*conditions: str | None) -> str | None:
+    return " and ".join(f"({c})" for c in conditions if c) or None
 
 
 def tuned_plan(plan: Plan, tuned: Sequence[Tuned]) -> Plan:
@@ -43,17 +49,14 @@ def tuned_plan(plan: Plan, tuned: Sequence[Tuned]) -> Plan:
     for t in tuned:
         by_kernel.setdefault(t.kernel, []).append(t)
 
-    def when(*conditions: str | None) -> str | None:
-        return " and ".join(f"({c})" for c in conditions if c) or None
-
     def expand(launch: Launch):
         variants = by_kernel.get(launch.kernel, [])
         for t in variants:
             rows = f"{SYMBOL} == {t.rows}" if t.rows else None
-            yield Launch(t.name, launch.buffers, (), launch.groups, launch.local, when(launch.when, rows))
+            yield Launch(t.name, launch.buffers, (), launch.groups, launch.local, _both(launch.when, rows))
         if not variants or all(t.rows for t in variants):
             others = [f"{SYMBOL} != {t.rows}" for t in variants]
-            yield Launch(launch.kernel, launch.buffers, launch.ints, launch.groups, launch.local, when(launch.when, *others))
+            yield Launch(launch.kernel, launch.buffers, launch.ints, launch.groups, launch.local, _both(launch.when, *others))
 
     return _replan(plan, expand)
 
@@ -185,15 +188,21 @@ class TVMGPUBackend(TVMBackend):
 
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         self.require_tvm()
-        plan, kernels = lower(graph)
-        source, launches = build_gpu(self.target, kernels)
+        nests = self.nests()
+        plan, kernels = lower(graph, "cpu" if nests else "gpu")
+        source, launches = build_gpu(self.target, kernels, nests)
         path = Path(out_dir) / "kernels" / f"tvm-{self.target}-{digest(source)}.{self.extension}"
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             path.write_text(source)
         files = self.build_files(source, path)
         return {"tvm": self.pin(), "source": str(path.relative_to(out_dir)), **files,
-                "plan": gpu_plan(plan, launches).to_dict()}
+                "profile": "cpu" if nests else "gpu", "plan": gpu_plan(plan, launches).to_dict()}
+
+    def nests(self) -> NestTarget | None:
+        """The loop nests' target where this device takes them (a CPU), None for dlight's
+        schedules (a GPU)."""
+        return None
 
     def build_files(self, source: str, path: Path) -> dict[str, Any]:
         return {}
@@ -206,6 +215,12 @@ class TVMOpenCLBackend(TVMGPUBackend):
     extension = "cl"
 
     native = "opencl"
+
+    def nests(self) -> NestTarget | None:
+        """On a CPU device (PoCL) the products, attention, the delta rule and the experts run
+        the llvm target's loop nests, a task per work-group: dlight's GPU schedules ran 12-140x
+        behind the native kernels there."""
+        return OPENCL_CPU if self.profile() == "cpu" else None
 
     def build_files(self, source: str, path: Path) -> dict[str, Any]:
         if source and self.unavailable_reason() is None:

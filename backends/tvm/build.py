@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ..toolchain import cached_build
+from .nest_targets import LLVM, NestTarget
 from .tir import PrimKernel
 from .tune import Tuned
 from .version import PINNED
@@ -27,7 +28,7 @@ TARGETS = {
     "rocm": {"kind": "rocm", "mcpu": "gfx90a"},
 }
 GPU_THREADS = 64  # threads per block of the hand-scheduled sequential kernels
-FORMAT = 1        # of the cached build results: bump when what is cached changes
+FORMAT = 2        # of the cached build results: bump when what is cached changes
 
 
 def _key(config: Mapping, kernels: Mapping[str, PrimKernel], what: str) -> str:
@@ -42,12 +43,6 @@ def host_llvm() -> dict:
     import tvm
 
     return {**TARGETS["llvm"], "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())}
-
-
-def module(kernels: Mapping[str, PrimKernel]):
-    import tvm
-
-    return tvm.IRModule({name: tvm.script.from_source(k.script()) for name, k in kernels.items()})
 
 
 def build_llvm(kernels: Mapping[str, PrimKernel], tuned: Sequence[Tuned] = ()) -> bytes:
@@ -65,7 +60,7 @@ def build_llvm(kernels: Mapping[str, PrimKernel], tuned: Sequence[Tuned] = ()) -
         with target:
             for name, k in kernels.items():
                 if k.cpu_body:
-                    func = tvm.script.from_source(k.script(cpu=True))
+                    func = LLVM.parse(k.script(cpu=True))
                     if k.noalias:  # lets LLVM keep the partial sums in registers
                         func = func.with_attr("tirx.noalias", True)
                     funcs[name] = func.with_attr("tirx.is_scheduled", True)
@@ -87,34 +82,41 @@ def build_llvm(kernels: Mapping[str, PrimKernel], tuned: Sequence[Tuned] = ()) -
 @dataclass(frozen=True)
 class DeviceKernel:
     """One device kernel of a PrimFunc: its buffers as indices into the PrimFunc's buffer
-    params, its int arguments and grid sizes as size expressions, and its block size."""
+    params, its int arguments and grid sizes as size expressions, its block size, and the
+    condition under which the host code launches it (a loop nest choosing its passes by
+    the row count), None when always."""
 
     name: str
     buffers: tuple[int, ...]
     ints: tuple[str, ...]
     groups: tuple[str, str, str]
     local: tuple[int, int, int]
+    when: str | None = None
 
 
-def build_gpu(kind: str, kernels: Mapping[str, PrimKernel]) -> tuple[str, dict[str, list[DeviceKernel]]]:
-    """(device source, device kernels per PrimFunc name) for a GPU target (cached)."""
+def build_gpu(kind: str, kernels: Mapping[str, PrimKernel], nests: NestTarget | None = None
+              ) -> tuple[str, dict[str, list[DeviceKernel]]]:
+    """(device source, device kernels per PrimFunc name) for a GPU target (cached); with
+    `nests`, the PrimFuncs that have a hand-written loop nest take it (a CPU device)."""
     def build(out: Path) -> None:
-        source, launches = _lower_gpu(kind, kernels)
+        source, launches = _lower_gpu(kind, kernels, nests)
         out.write_text(json.dumps({"source": source, "launches": {
-            n: [[k.name, list(k.buffers), list(k.ints), list(k.groups), list(k.local)] for k in ks]
+            n: [[k.name, list(k.buffers), list(k.ints), list(k.groups), list(k.local), k.when] for k in ks]
             for n, ks in launches.items()}}))
 
-    data = json.loads(cached_build(_key(TARGETS[kind], kernels, "device"), build))
-    launches = {n: [DeviceKernel(a, tuple(b), tuple(c), tuple(d), tuple(e)) for a, b, c, d, e in ks]
+    what = "device" + (f" nests {nests.name}" if nests else "")
+    data = json.loads(cached_build(_key(TARGETS[kind], kernels, what), build))
+    launches = {n: [DeviceKernel(a, tuple(b), tuple(c), tuple(d), tuple(e), f) for a, b, c, d, e, f in ks]
                 for n, ks in data["launches"].items()}
     return data["source"], launches
 
 
 def schedule(config: Mapping, kernels: Mapping[str, PrimKernel], by_hand: frozenset[str] = frozenset(),
-             rewrite: Callable[[str], str] = str):
+             rewrite: Callable[[str], str] = str, nests: NestTarget | None = None):
     """(target, module) with each PrimFunc (its script passed through `rewrite`) scheduled for
     the GPU target `config` by the first dlight rule that takes it; sequential blocks, blocks
-    no rule takes (or a rule fails on) and the PrimFuncs named in `by_hand`, by the hand schedule."""
+    no rule takes (or a rule fails on) and the PrimFuncs named in `by_hand`, by the hand
+    schedule; with `nests`, a PrimFunc with a loop nest as written, on `nests`' primitives."""
     import tvm
     from tvm.s_tir import dlight as dl
 
@@ -123,6 +125,9 @@ def schedule(config: Mapping, kernels: Mapping[str, PrimKernel], by_hand: frozen
     funcs = {}
     with target:
         for name, k in kernels.items():
+            if nests and k.cpu_body:
+                funcs[name] = nests.parse(rewrite(k.script(cpu=True))).with_attr("tirx.is_scheduled", True)
+                continue
             func = tvm.script.from_source(rewrite(k.script()))
             scheduled = None if k.sequential or name in by_hand else _dlight(func, target, rules)
             funcs[name] = (scheduled or _one_thread_per_point(func)).with_attr("tirx.is_scheduled", True)
@@ -168,25 +173,27 @@ def _one_thread_per_point(func):
     return sch.mod["main"]
 
 
-def _lower_gpu(kind: str, kernels: Mapping[str, PrimKernel]) -> tuple[str, dict[str, list[DeviceKernel]]]:
+def _lower_gpu(kind: str, kernels: Mapping[str, PrimKernel], nests: NestTarget | None
+               ) -> tuple[str, dict[str, list[DeviceKernel]]]:
     from tvm.tirx.build import codegen_build
 
     if not kernels:  # a graph of views only
         return "", {}
-    _, device_target, device_mod, launches = scheduled_device(TARGETS[kind], kernels)
+    _, device_target, device_mod, launches = scheduled_device(TARGETS[kind], kernels, nests=nests)
     return codegen_build(device_mod, device_target).inspect_source(), launches
 
 
-def scheduled_device(config: Mapping, kernels: Mapping[str, PrimKernel], rewrite: Callable[[str], str] = str):
+def scheduled_device(config: Mapping, kernels: Mapping[str, PrimKernel], rewrite: Callable[[str], str] = str,
+                     nests: NestTarget | None = None):
     """(scheduled module, device target, device module, device kernels per PrimFunc). A dlight
     schedule TVM then fails to lower (e.g. an int32 overflow in its index arithmetic for a
     one-column product with symbolic rows on CUDA) is replaced by the hand schedule."""
-    target, mod = schedule(config, kernels, rewrite=rewrite)
+    target, mod = schedule(config, kernels, rewrite=rewrite, nests=nests)
     try:
         return (mod, *lower_device(target, mod, kernels))
     except (RuntimeError, ValueError):
         failing = frozenset(n for n in kernels if not _lowers(target, mod[n], {n: kernels[n]}))
-        target, mod = schedule(config, kernels, by_hand=failing, rewrite=rewrite)
+        target, mod = schedule(config, kernels, by_hand=failing, rewrite=rewrite, nests=nests)
         return (mod, *lower_device(target, mod, kernels))
 
 
@@ -223,9 +230,9 @@ def _device_calls(host_func, kernel: PrimKernel, device_funcs) -> list[DeviceKer
 
     calls, lets = [], {}
 
-    def visit(node):
+    def visit(node, conditions):
         if isinstance(node, tvm.ir.Call) and getattr(node.op, "name", "") == "tirx.call_ffi_kernel":
-            calls.append(node)
+            calls.append((node, conditions))
         elif isinstance(getattr(node, "var", None), tvm.tirx.Var) and hasattr(node, "value"):
             if node.var.name not in kernel.ints:  # the symbols stay names; CSE'd values are inlined
                 lets[node.var.name] = node.value
@@ -233,7 +240,7 @@ def _device_calls(host_func, kernel: PrimKernel, device_funcs) -> list[DeviceKer
     _walk(host_func.body, visit)
     buffer_names = [p.name for p in kernel.params]
     out = []
-    for call in calls:
+    for call, conditions in calls:
         name = call.args[0].value
         params = device_funcs[name].params
         buffers, ints = [], []
@@ -255,23 +262,31 @@ def _device_calls(host_func, kernel: PrimKernel, device_funcs) -> list[DeviceKer
                 if not isinstance(extent, tvm.tirx.IntImm):
                     raise RuntimeError(f"{name}: {tag} extent {extent} is not a constant")
                 local[axis] = int(extent)
-        out.append(DeviceKernel(name, tuple(buffers), tuple(ints), tuple(groups), tuple(local)))
+        when = " and ".join(f"({size_expr(c, lets)})" for c in conditions) or None
+        out.append(DeviceKernel(name, tuple(buffers), tuple(ints), tuple(groups), tuple(local), when))
     return out
 
 
-def _walk(node, visit) -> None:
-    """Call `visit` on every statement and expression under `node` (TVM's Python API has no
-    TIR visitor any more; the FFI type info lists each node's fields)."""
+def _walk(node, visit, conditions: tuple = ()) -> None:
+    """Call `visit(node, conditions)` on every statement and expression under `node`, with
+    the conditions of the branches it lies in (TVM's Python API has no TIR visitor any
+    more; the FFI type info lists each node's fields)."""
     import tvm
 
-    visit(node)
+    visit(node, conditions)
+    if isinstance(node, tvm.tirx.IfThenElse):
+        _walk(node.condition, visit, conditions)
+        _walk(node.then_case, visit, conditions + (node.condition,))
+        if node.else_case is not None:
+            _walk(node.else_case, visit, conditions + (tvm.tirx.Not(node.condition),))
+        return
     info = getattr(type(node), "__tvm_ffi_type_info__", None)
     while info is not None:
         for field in info.fields:
             value = getattr(node, field.name)
             for child in (value if isinstance(value, (list, tuple)) or type(value).__name__ == "Array" else [value]):
                 if isinstance(child, (tvm.tirx.Stmt, tvm.ir.Expr)):
-                    _walk(child, visit)
+                    _walk(child, visit, conditions)
         info = info.parent_type_info
 
 
@@ -293,6 +308,13 @@ def size_expr(e, lets=None) -> str:
             return f"({size_expr(e.a, lets)} {sym} {size_expr(e.b, lets)})"
     if isinstance(e, (tirx.Min, tirx.Max)):
         return f"{'min' if isinstance(e, tirx.Min) else 'max'}({size_expr(e.a, lets)}, {size_expr(e.b, lets)})"
+    tests = {tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">=", tirx.EQ: "==", tirx.NE: "!=",
+             tirx.And: "and", tirx.Or: "or"}
+    for cls, sym in tests.items():  # a launch condition
+        if isinstance(e, cls):
+            return f"({size_expr(e.a, lets)} {sym} {size_expr(e.b, lets)})"
+    if isinstance(e, tirx.Not):
+        return f"(not {size_expr(e.a, lets)})"
     if isinstance(e, tvm.ir.Call) and e.op.name == "tirx.shift_right":
         return f"({size_expr(e.args[0], lets)} // {2 ** int(e.args[1])})"
     raise RuntimeError(f"launch extent {e} ({type(e).__name__}) has no size-expression form")

@@ -1,7 +1,8 @@
-"""Hand-scheduled TensorIR for the llvm target: the products of every block type and of
-f32, f16 and bf16 weights, the Q8_0 expert products, attention and the gated delta rule as
-explicit loop nests (dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind
-the native OpenCL kernels here).
+"""Hand-scheduled TensorIR for CPUs: the products of every block type and of f32, f16 and
+bf16 weights, the Q8_0 expert products, attention and the gated delta rule as explicit loop
+nests (dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native
+OpenCL kernels here), for the llvm target and for OpenCL C on a CPU device: what differs
+between the two (the task loop, f16, prefetches, ...) is a primitive of nest_targets.py.
 
 The Q8_0 product:
 
@@ -45,49 +46,50 @@ def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype:
     blocks `cols` rows on, the next column group's (the hardware prefetchers found no
     stream in a pass's interleaved columns: a one-row Q8_0 product ran at 27, 22 and 12
     GB/s at K 8192, 2048 and 512, opencl at 35-37, 34-35 and 27-29; with the prefetches
-    33-34, 29-33 and 20-26). Each row's partial sums
-    are a small buffer of its own, rows unrolled here: TVM 0.27 makes a "global" buffer
-    under 1 KiB inside a parallel loop a stack array of the task (a "local" one is a heap
-    workspace per iteration), which LLVM keeps in registers. w holds Q8_0 blocks (each f16
-    scale decoded once for its 16-lane halves), f32, f16 or bf16 rows (a router's, a gate's),
-    or another block type's, each weight decoded by its block decoder (dflash_ir/blocks.py)."""
+    33-34, 29-33 and 20-26). Each row's partial sums are a small buffer of its own
+    (SCRATCH, nest_targets.py), rows unrolled here. w holds Q8_0 blocks (each f16 scale
+    decoded once for its 16-lane halves, the quants of a half read as one 16-byte vector),
+    f32, f16 or bf16 rows (a router's, a gate's), or another block type's, each weight
+    decoded by its block decoder (dflash_ir/blocks.py)."""
     blocks = k // 32
     column = f"{w_first}cg * {cols} + c"
-    share = []
-    if dtype is DType.Q8_0:
+    share, weight = [], None
+    if dtype is DType.Q8_0:  # the whole half at once: one scale times 16 quants
         at = f"({column}) * {blocks * 34} + b * 34"
-        scale = (f'T.Cast("float32", T.reinterpret("float16", T.bitwise_or(T.Cast("uint16", w[{at}]), '
-                 f'T.shift_left(T.Cast("uint16", w[{at} + 1]), T.uint16(8)))))')
-        weight = f'{scale} * T.Cast("float32", T.reinterpret("int8", w[{at} + 2 + h * {LANES} + l]))'
-    elif dtype is DType.F16:  # converted by the CPU (F16C), exactly
-        weight = f'T.Cast("float32", T.reinterpret("float16", w[({column}) * {k} + b * 32 + h * {LANES} + l]))'
+        scale = f'f16(T.bitwise_or(T.Cast("uint16", w[{at}]), T.shift_left(T.Cast("uint16", w[{at} + 1]), T.uint16(8))))'
+        quants = f'T.Cast("float32x{LANES}", T.reinterpret("int8x{LANES}", bytes16(w, {at} + 2 + h * {LANES})))'
+        decode = [f"wq[T.Ramp(0, 1, {LANES})] = T.Broadcast({scale}, {LANES}) * {quants}"]
+    elif dtype is DType.F16:
+        weight = f"f16(w[({column}) * {k} + b * 32 + h * {LANES} + l])"
     elif not dtype.is_block:  # f32, bf16
         weight = weight_at(dtype, "w", column, f"b * 32 + h * {LANES} + l", k)
     else:  # a block type: the 16 lanes' sub-block scale and offset decoded once
         scale, offset, code = sub_block(dtype, "w", column, f"b * 32 + h * {LANES}", k)
         share = [f"part[0] = {scale}"] + ([f"part[1] = {offset}"] if offset is not None else [])
         weight = f"part[0] * {code('l')}" + (" + part[1]" if offset is not None else "")
+    if weight is not None:  # a block decoder's bytes are gathered
+        decode = [f"for l in {'gathered' if share else 'vectorized'}({LANES}):", f"    wq[l] = {weight}"]
 
     def acc(r: int) -> str:
         return f"acc{r}[c * {LANES} + l]"
 
-    lines = [f'wq = T.alloc_buffer(({LANES},), "float32", scope="global")',
-             f'lanes = T.alloc_buffer(({LANES},), "float32", scope="global")']
-    lines += ['part = T.alloc_buffer((2,), "float32", scope="global")'] if share else []
-    lines += [f'acc{r} = T.alloc_buffer(({cols * LANES},), "float32", scope="global")' for r in range(rows)]
-    lines += [f"for c in T.unroll({cols}):", f"    for l in T.vectorized({LANES}):"]
+    lines = [f'wq = T.alloc_buffer(({LANES},), "float32", scope=SCRATCH)',
+             f'lanes = T.alloc_buffer(({LANES},), "float32", scope=SCRATCH)']
+    lines += ['part = T.alloc_buffer((2,), "float32", scope=SCRATCH)'] if share else []
+    lines += [f'acc{r} = T.alloc_buffer(({cols * LANES},), "float32", scope=SCRATCH)' for r in range(rows)]
+    lines += [f"for c in T.unroll({cols}):", f"    for l in vectorized({LANES}):"]
     lines += [f"        {acc(r)} = T.float32(0)" for r in range(rows)]
     lines += [f"for b in range({blocks}):", f"    for c in T.unroll({cols}):",
               *_indent(_prefetch(dtype, f"{column} + {cols}", k), 2),
               "        for h in T.unroll(2):",
               *_indent(share, 3),
-              f"            for l in T.vectorized({LANES}):", f"                wq[l] = {weight}",
-              f"            for l in T.vectorized({LANES}):"]
+              *_indent(decode, 3),
+              f"            for l in vectorized({LANES}):"]
     lines += [f"                {acc(r)} = {acc(r)} + x[({x_row(row(r))}) * {k} + b * 32 + h * {LANES} + l] * wq[l]"
               for r in range(rows)]
     lines += [f"for c in T.unroll({cols}):"]
     for r in range(rows):  # lanes summed through a buffer of their own: acc's stay whole vectors
-        lines += [f"    for l in T.vectorized({LANES}):", f"        lanes[l] = {acc(r)}",
+        lines += [f"    for l in vectorized({LANES}):", f"        lanes[l] = {acc(r)}",
                   *_indent(_vector_fold("lanes", LANES, "+"), 1),
                   f"    out[({row(r)}) * {n} + cg * {cols} + c] = lanes[0]"]
     return lines
@@ -100,8 +102,7 @@ def _prefetch(dtype: DType, column: str, k: int) -> list[str]:
         row, at, lines = k // dtype.block_size * dtype.block_bytes, f"b * {32 * dtype.block_bytes // dtype.block_size}", (0,)
     else:  # 32 f32 weights span two lines, of f16 or bf16 one
         row, at, lines = k, "b * 32", (0, 16) if dtype is DType.F32 else (0,)
-    return [f'T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", '
-            f"T.address_of(w[({column}) * {row} + {at} + {line}]), 0, 3, 1))" for line in lines]
+    return [f"T.evaluate(prefetch(T.address_of(w[({column}) * {row} + {at} + {line}])))" for line in lines]
 
 
 def _nest(rows: int, cols: int, m: str, n: int, k: int, dtype: DType) -> list[str]:
@@ -110,7 +111,7 @@ def _nest(rows: int, cols: int, m: str, n: int, k: int, dtype: DType) -> list[st
     values): every row of a pass is real, so its x rows sit at constant offsets from one
     pointer."""
     first = f"T.min(r0 * {rows}, {m} - {rows})"
-    return [f"for cg in T.parallel({n // cols}):", f"    for r0 in range(({m} + {rows - 1}) // {rows}):",
+    return [f"for cg in tasks({n // cols}):", f"    for r0 in range(({m} + {rows - 1}) // {rows}):",
             *_indent(_pass(rows, cols, n, k, lambda r: f"{first} + {r}", lambda row: row, "", dtype), 2)]
 
 
@@ -136,29 +137,35 @@ def product_nest(m: str, n: Dim, k: Dim, dtype: DType) -> str | None:
 EXPERT_PASSES = ((2, 8), (1, 8))
 
 
-def expert_q8_product(m: str, n: int, k: int, experts: int, slots: str, per_token: bool) -> str:
+def expert_order(m: str, experts: int) -> str:
+    """Statements sorting the (row, slot) pairs of ids[m] by expert, a counting sort: expert
+    e's pairs are order[count[e]:count[e + 1]] (count: int32[experts + 2]). One task does
+    it, before the expert products read it."""
+    return "\n".join([
+        f"for e in range({experts + 2}):", "    count[e] = 0",
+        f"for p in range({m}):", "    count[ids[p] + 2] = count[ids[p] + 2] + 1",
+        f"for e in range({experts}):", "    count[e + 2] = count[e + 2] + count[e + 1]",
+        f"for p in range({m}):", "    order[count[ids[p] + 1]] = p",
+        "    count[ids[p] + 1] = count[ids[p] + 1] + 1"])
+
+
+def expert_q8_product(n: int, k: int, experts: int, slots: str, per_token: bool) -> str:
     """PrimFunc body computing out[p, n] = x[p // slots or p, k] @ w[ids[p]]ᵀ with Q8_0 experts
-    w[E, n, k]. Each task first sorts the (row, slot) pairs by expert, a counting sort
-    (expert e's pairs are order[count[e]:count[e + 1]]), then takes each expert's pairs in
-    passes of EXPERT_PASSES rows: an expert's weights are decoded once for all the rows of a
-    pass. (The next pass's first pair is kept in span[0]: with loop extents written as sums
-    over the passes before them, TVM 0.27's code gave wrong rows and crashed.)"""
+    w[E, n, k], the pairs sorted by expert (expert_order's count and order): each task takes each
+    expert's pairs in passes of EXPERT_PASSES rows, so an expert's weights are decoded once
+    for all the rows of a pass. (The first pair left is kept in span[0], moved on after each
+    kind of pass, never inside one: OpenCL C tests a loop's bound on every iteration. With
+    loop extents written as sums over the passes before them, TVM 0.27's llvm code gave
+    wrong rows and crashed.)"""
     cols = _widest(EXPERT_PASSES[0][1], n)
     x_row = (lambda row: f"({row}) // {slots}") if per_token else (lambda row: row)
-    lines = [f"for cg in T.parallel({n // cols}):",
-             f'    count = T.alloc_buffer(({experts + 2},), "int32", scope="global")',
-             f'    order = T.alloc_buffer(({m},), "int32", scope="global")',
-             '    span = T.alloc_buffer((2,), "int32", scope="global")',
-             f"    for e in range({experts + 2}):", "        count[e] = 0",
-             f"    for p in range({m}):", "        count[ids[p] + 2] = count[ids[p] + 2] + 1",
-             f"    for e in range({experts}):", "        count[e + 2] = count[e + 2] + count[e + 1]",
-             f"    for p in range({m}):", "        order[count[ids[p] + 1]] = p",
-             "        count[ids[p] + 1] = count[ids[p] + 1] + 1",
+    lines = [f"for cg in tasks({n // cols}):", '    span = T.alloc_buffer((2,), "int32", scope=SCRATCH)',
              f"    for e in range({experts}):", "        span[0] = count[e]", "        span[1] = count[e + 1]"]
     for i, (rows, _) in enumerate(EXPERT_PASSES):
         lines += [f"        for q{i} in range((span[1] - span[0]) // {rows}):",
-                  *_indent(_pass(rows, cols, n, k, lambda r: f"order[span[0] + {r}]", x_row, f"e * {n} + ", DType.Q8_0), 3),
-                  f"            span[0] = span[0] + {rows}"]
+                  *_indent(_pass(rows, cols, n, k, lambda r, i=i, rows=rows: f"order[span[0] + q{i} * {rows} + {r}]",
+                                 x_row, f"e * {n} + ", DType.Q8_0), 3),
+                  f"        span[0] = span[0] + (span[1] - span[0]) // {rows} * {rows}"]
     return "\n".join(_indent(lines, 1)) + "\n"
 
 
@@ -197,7 +204,7 @@ def _vector_fold(buf: str, lanes: int, op: str) -> list[str]:
     while lanes > 1:
         lanes //= 2
         both = f"{buf}[l] + {buf}[l + {lanes}]" if op == "+" else f"{op}({buf}[l], {buf}[l + {lanes}])"
-        lines += [f"for l in T.vectorized({lanes}):", f"    {buf}[l] = {both}"]
+        lines += [f"for l in vectorized({lanes}):", f"    {buf}[l] = {both}"]
     return lines
 
 
@@ -242,7 +249,7 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
     ways = _widest(1 << (min(4, max(1, LANES // group)).bit_length() - 1), dv // lv)
 
     def each_head(body: list[str], lanes: int) -> list[str]:
-        return [f"for g in T.unroll({group}):", f"    for l in T.vectorized({lanes}):", *_indent(body, 2)]
+        return [f"for g in T.unroll({group}):", f"    for l in vectorized({lanes}):", *_indent(body, 2)]
     dot = [line for a in range(chains) for line in
            each_head([f"dot{a}[g * {ld} + l] = q[{q_at} + {a * ld} + l] * k[{k_at} + {a * ld} + l]"], ld)]
     if chunks > chains:
@@ -252,20 +259,20 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
             dot += _indent(each_head([f"dot{a}[g * {ld} + l] = dot{a}[g * {ld} + l] + "
                                       f"q[{q_at} + {at.format(a=a)}] * k[{k_at} + {at.format(a=a)}]"], ld), 1)
     both = " + ".join(f"dot{a}[g * {ld} + l]" for a in range(chains))
-    dot += [f"for g in T.unroll({group}):", f"    for l in T.vectorized({ld}):", f"        lanes[l] = {both}",
+    dot += [f"for g in T.unroll({group}):", f"    for l in vectorized({ld}):", f"        lanes[l] = {both}",
             *_indent(_vector_fold("lanes", ld, "+"), 1),
             f"    score[g * {KEYS} + j - j0] = lanes[0] * {f32(scale)}"]
     bookkeeping = [
-        f"for l in T.vectorized({KEYS}):", f"    top[l] = score[g * {KEYS} + l]", *_vector_fold("top", KEYS, "T.max"),
+        f"for l in vectorized({KEYS}):", f"    top[l] = score[g * {KEYS} + l]", *_vector_fold("top", KEYS, "T.max"),
         f"if top[0] > m[{slot}]:",  # a new running max: rescale what was summed so far
         f"    top[1] = T.exp(m[{slot}] - top[0])",
         f"    total[{slot}] = total[{slot}] * top[1]",
         f"    for i in range({dv}):", f"        acc[({slot}) * {dv} + i] = acc[({slot}) * {dv} + i] * top[1]",
         f"    m[{slot}] = top[0]",
-        f"for l in T.vectorized({KEYS}):",
+        f"for l in vectorized({KEYS}):",
         f"    weight[g * {KEYS} + l] = T.if_then_else(score[g * {KEYS} + l] == {f32(float('-inf'))}, T.float32(0), "
         f"{exp_nonpositive(f'score[g * {KEYS} + l] - m[{slot}]')})",
-        f"for l in T.vectorized({KEYS}):", f"    top[l] = weight[g * {KEYS} + l]", *_vector_fold("top", KEYS, "+"),
+        f"for l in vectorized({KEYS}):", f"    top[l] = weight[g * {KEYS} + l]", *_vector_fold("top", KEYS, "+"),
         f"total[{slot}] = total[{slot}] + top[0]"]
     span = lv * ways
     part = f"out_part[g * {span} + w * {lv} + l]"
@@ -276,20 +283,20 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
               *_indent(each_head([f"{part} = {part} + weight[g * {KEYS} + j - j0] * "
                                   f"v[(j * {hkv} + {kvh}) * {dv} + (c * {ways} + w) * {lv} + l]"], lv), 3),
               *_indent(each_head([f"acc[({slot}) * {dv} + c * {span} + l] = out_part[g * {span} + l]"], span), 1)]
-    head = [f"for l in T.vectorized({group * KEYS}):", f"    score[l] = {f32(float('-inf'))}",
+    head = [f"for l in vectorized({group * KEYS}):", f"    score[l] = {f32(float('-inf'))}",
             "for j in range(its_lo, its_hi):", *_indent(dot, 1),
             f"for g in range({group}):", *_indent(bookkeeping, 1),
             *values]
-    lines = [f"for task in T.parallel({hkv} * {blocks}):",
-             f'    acc = T.alloc_buffer(({heads * dv},), "float32", scope="global")',
-             f'    m = T.alloc_buffer(({heads},), "float32", scope="global")',
-             f'    total = T.alloc_buffer(({heads},), "float32", scope="global")',
-             *[f'    dot{a} = T.alloc_buffer(({group * ld},), "float32", scope="global")' for a in range(chains)],
-             f'    lanes = T.alloc_buffer(({ld},), "float32", scope="global")',
-             f'    score = T.alloc_buffer(({group * KEYS},), "float32", scope="global")',
-             f'    weight = T.alloc_buffer(({group * KEYS},), "float32", scope="global")',
-             f'    top = T.alloc_buffer(({KEYS},), "float32", scope="global")',
-             f'    out_part = T.alloc_buffer(({group * lv * ways},), "float32", scope="global")',
+    lines = [f"for task in tasks({hkv} * {blocks}):",
+             f'    acc = T.alloc_buffer(({heads * dv},), "float32", scope=SCRATCH)',
+             f'    m = T.alloc_buffer(({heads},), "float32", scope=SCRATCH)',
+             f'    total = T.alloc_buffer(({heads},), "float32", scope=SCRATCH)',
+             *[f'    dot{a} = T.alloc_buffer(({group * ld},), "float32", scope=SCRATCH)' for a in range(chains)],
+             f'    lanes = T.alloc_buffer(({ld},), "float32", scope=SCRATCH)',
+             f'    score = T.alloc_buffer(({group * KEYS},), "float32", scope=SCRATCH)',
+             f'    weight = T.alloc_buffer(({group * KEYS},), "float32", scope=SCRATCH)',
+             f'    top = T.alloc_buffer(({KEYS},), "float32", scope=SCRATCH)',
+             f'    out_part = T.alloc_buffer(({group * lv * ways},), "float32", scope=SCRATCH)',
              f"    n = T.min(kv_len[0], {cap})",
              f"    for i in range({heads}):",
              f"        m[i] = {f32(float('-inf'))}", "        total[i] = T.float32(0)",
@@ -326,12 +333,12 @@ def delta_rule_nest(t: str, hk: int, hv: int, dk: int, dv: int, tiled: bool, sca
     col = f"c * {lv} + l"
 
     def vec(body: str) -> list[str]:
-        return [f"for c in range({dv // lv}):", f"    for l in T.vectorized({lv}):", f"        {body}"]
+        return [f"for c in range({dv // lv}):", f"    for l in vectorized({lv}):", f"        {body}"]
 
-    lines = [f"for h in T.parallel({hv}):",
-             f'    kv = T.alloc_buffer(({dv},), "float32", scope="global")',
-             f'    o_row = T.alloc_buffer(({dv},), "float32", scope="global")',
-             '    decay = T.alloc_buffer((1,), "float32", scope="global")',
+    lines = [f"for h in tasks({hv}):",
+             f'    kv = T.alloc_buffer(({dv},), "float32", scope=SCRATCH)',
+             f'    o_row = T.alloc_buffer(({dv},), "float32", scope=SCRATCH)',
+             '    decay = T.alloc_buffer((1,), "float32", scope=SCRATCH)',
              f"    if {t} == 0:",
              f"        for i in range({dk * dv}):", f"            new_state[h * {dk * dv} + i] = state[h * {dk * dv} + i]",
              f"    for ti in range({t}):",

@@ -209,17 +209,33 @@ def _u32(v: int) -> str:
     return f"T.uint32({v})"
 
 
+def f16_bits_to_f32(h, ops):
+    """f32 value of the f16 bits in uint32 `h`, exact for every f16 (subnormals, inf and NaN
+    included) and free of branches: the magnitude's bits moved to f32's places with the
+    exponent rebased (by 112; inf and NaN to 255; a subnormal as if its exponent were 1,
+    then that leading 2^-14 subtracted, exactly), the sign put back. `ops` makes the
+    expressions: TVMScript text (half_to_float) or TIR nodes (nest_targets.py)."""
+    u = ops.u32
+    e = h & u(0x7C00)
+    bias = ops.select(ops.eq(e, u(0x7C00)), u(224 << 23), ops.select(ops.eq(e, u(0)), u(113 << 23), u(112 << 23)))
+    magnitude = ops.as_f32(((h & u(0x7FFF)) << u(13)) + bias) - ops.select(ops.eq(e, u(0)), ops.f32(2.0 ** -14),
+                                                                           ops.f32(0.0))
+    return ops.as_f32(ops.as_u32(magnitude) | ((h & u(0x8000)) << u(16)))
+
+
+class _TextOps:
+    """f16_bits_to_f32's expressions as TVMScript text."""
+    u32 = staticmethod(lambda v: _Text(_u32(v)))
+    f32 = staticmethod(lambda v: _Text(f"T.float32({v!r})"))
+    eq = staticmethod(lambda a, b: _Text(f"({a} == {b})"))
+    select = staticmethod(lambda c, a, b: _Text(f"T.Select({c}, {a}, {b})"))
+    as_f32 = staticmethod(lambda x: _Text(f'T.reinterpret("float32", {x})'))
+    as_u32 = staticmethod(lambda x: _Text(f'T.reinterpret("uint32", {x})'))
+
+
 def half_to_float(bits: str) -> str:
-    """f32 value of f16 bits (a uint16 expression): exact, subnormals, inf and NaN included."""
-    h = f'T.Cast("uint32", {bits})'
-    sign = f"T.shift_left(T.bitwise_and({h}, {_u32(0x8000)}), {_u32(16)})"
-    exp = f"T.bitwise_and(T.shift_right({h}, {_u32(10)}), {_u32(0x1F)})"
-    mant = f"T.bitwise_and({h}, {_u32(0x3FF)})"
-    normal = (f'T.reinterpret("float32", T.bitwise_or({sign}, T.bitwise_or(T.shift_left(T.if_then_else({exp} == {_u32(31)}, '
-              f'{_u32(255)}, {exp} + {_u32(112)}), {_u32(23)}), T.shift_left({mant}, {_u32(13)}))))')
-    tiny = f'T.Cast("float32", {mant}) * T.float32({2.0 ** -24!r})'
-    signed_tiny = f"T.if_then_else({sign} != {_u32(0)}, -{tiny}, {tiny})"
-    return f"T.if_then_else({exp} == {_u32(0)}, {signed_tiny}, {normal})"
+    """f32 value of f16 bits (a uint16 expression), as text."""
+    return str(f16_bits_to_f32(_Text(f'T.Cast("uint32", {bits})'), _TextOps))
 
 
 def float_to_half(x: str) -> str:

@@ -1,6 +1,8 @@
 """Every TVM-built kernel against the interpreter on single-node graphs (random inputs and
 edge shapes, tests/kernel_cases.py): through TVM's LLVM target on this CPU, and through TVM's
-OpenCL target (dlight-scheduled) run by pyopencl on PoCL."""
+OpenCL target run by pyopencl on PoCL, a CPU device, so with the llvm target's loop nests
+(backends/tvm/nest_targets.py); and a sample through the OpenCL target with a GPU's
+schedules (dlight's), as tvm-cuda and tvm-rocm take them."""
 import pytest
 
 from kernel_cases import CASES, TOL, compare
@@ -25,6 +27,20 @@ def test_llvm_kernel_matches_interpreter(tvm, name, tmp_path):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_opencl_kernel_matches_interpreter(tvm_opencl, name, tmp_path):
+    compare(tvm_opencl, name, tmp_path, tol=_tol(name))
+
+
+# every kind of kernel dlight schedules and its numerics: products of each weight kind and of
+# symbolic rows, f16 bits (half_to_float), attention's three kernels, the delta rule, experts
+GPU_SAMPLE = ("matmul_q8_0_1_rows", "matmul_q8_0_16_rows", "matmul_f16_1_rows", "matmul_q4_k_16_rows",
+              "cast_f16_f32", "attention_causalTrue_gqa2_T1_kv150", "gated_delta_rule_tiled",
+              "expert_matmul_q8_0", "fused_moe_ragged")
+
+
+@pytest.mark.parametrize("name", GPU_SAMPLE)
+def test_opencl_kernel_with_gpu_schedules_matches_interpreter(tvm_opencl, name, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_IR_PROFILE", "gpu")
+    assert tvm_opencl.nests() is None
     compare(tvm_opencl, name, tmp_path, tol=_tol(name))
 
 
@@ -73,6 +89,7 @@ def test_every_product_of_an_f32_x_on_llvm_takes_the_hand_scheduled_nest():
     time; a K that is not a multiple of 32 keeps dlight's."""
     from dflash_ir.backends.tvm.cpu_schedules import PASSES
     from dflash_ir.backends.tvm.lowering import lower
+    from dflash_ir.backends.tvm.nest_targets import LLVM
     from kernel_cases import case_graph
 
     from dflash_ir.blocks import DECODERS
@@ -87,7 +104,7 @@ def test_every_product_of_an_f32_x_on_llvm_takes_the_hand_scheduled_nest():
         if "odd_k" in name:
             assert not any(k.cpu_body for k in products), name
             continue
-        assert all("llvm.prefetch" in k.cpu_body for k in products), name
+        assert all("llvm.prefetch" in LLVM.parse(k.script(cpu=True)).script() for k in products), name
         rows = dict(CASES[name].bindings).get("T", 1)
         chosen.add(max(r for r, _ in PASSES if rows >= r))
     assert chosen == {r for r, _ in PASSES}
@@ -114,6 +131,26 @@ def test_llvm_takes_the_loop_nests_of_attention_the_delta_rule_and_q8_0_experts(
         assert gpu and not any(k.cpu_body and k.op != "expert_matmul" for k in gpu), name
     attention = {k.op for k in lower(case_graph(CASES[names[0]].build()), "gpu")[1].values()}
     assert op != "attention" or {"attention_scores", "attention_values"} <= attention
+
+
+def test_opencl_on_a_cpu_takes_the_loop_nests_one_pass_size_per_row_count(tvm_opencl, tmp_path):
+    """On PoCL, a CPU device, tvm-opencl builds the llvm target's loop nests, a task per
+    work-group, a Q8_0 half block's quants read as one 16-byte vector (nest_targets.py). A
+    product of symbolic rows is one kernel per pass size, each launched under the row counts
+    it serves (its host code's branch): exactly one runs for any count."""
+    from dflash_ir.backends.plan import Plan, compile_expr, symbol_param
+    from dflash_ir.backends.tvm.cpu_schedules import PASSES
+    from kernel_cases import case_graph
+
+    assert tvm_opencl.nests() is not None
+    entry = tvm_opencl.compile(case_graph(CASES["matmul_q8_0_16_rows"].build()), tmp_path)
+    assert entry["profile"] == "cpu"
+    assert "vload16(0, ((__global uchar *)w_ptr" in (tmp_path / entry["source"]).read_text()
+    launches = [la for step in Plan.from_dict(entry["plan"]).steps for la in step.launches]
+    assert len(launches) == len(PASSES) and all(la.when for la in launches)
+    for rows in range(1, 40):
+        ran = [la for la in launches if compile_expr(la.when)({symbol_param("T"): rows})]
+        assert len(ran) == 1, rows
 
 
 def test_llvm_delta_rule_of_no_rows_keeps_the_state(tvm, tmp_path):

@@ -1,0 +1,138 @@
+"""What a hand-written loop nest (cpu_schedules.py) leaves to the target it runs on, supplied
+when its TVMScript is parsed. The nests are written once, for a CPU, and run through TVM's
+llvm target (its runtime's threads) and through its OpenCL target on a CPU device (PoCL),
+whose C has no f16 type (no cl_khr_fp16) and no prefetch, whose parallel loop is the
+work-group index, and whose vector loads TVM only emits at offsets it can prove aligned
+(Q8_0's quants sit 2 bytes into 34-byte blocks):
+
+  tasks(n)         the loop over a nest's n independent tasks
+  vectorized(n)    a loop over n vector lanes (OpenCL C's vectors have 2, 3, 4, 8 or 16)
+  gathered(n)      the same where the lanes' loads are bytes a block decoder picks (TVM's
+                   OpenCL C makes an unaligned byte vector shifts of an int: unrolled there)
+  SCRATCH          the storage scope of a task's small arrays (kept in registers)
+  f16(bits)        f32 of f16 bits (a uint16)
+  prefetch(addr)   a hint to fetch the cache line at `addr` (an address_of)
+  bytes16(w, at)   w[at .. at + 15] of a uint8 buffer as one uint8x16, at any alignment
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class NestTarget:
+    name: str
+    tasks: Callable[[Any], Any]
+    vectorized: Callable[[int], Any]
+    gathered: Callable[[int], Any]
+    scratch: str
+    f16: Callable[[Any], Any]
+    prefetch: Callable[[Any], Any]
+    bytes16: Callable[[Any, Any], Any]
+
+    def parse(self, script: str):
+        """The PrimFunc of a nest's script with this target's primitives."""
+        import tvm
+        from tvm.script.parser import tirx as T
+
+        names = {"T": T, "tasks": self.tasks, "vectorized": self.vectorized, "gathered": self.gathered, "SCRATCH": self.scratch, "f16": self.f16, "prefetch": self.prefetch,
+                 "bytes16": self.bytes16}
+        return tvm.script.from_source(script, extra_vars=names)
+
+
+class _TIROps:
+    """f16_bits_to_f32's expressions as TIR nodes."""
+
+    @staticmethod
+    def u32(v):
+        import tvm
+        return tvm.tirx.const(v, "uint32")
+
+    @staticmethod
+    def f32(v):
+        import tvm
+        return tvm.tirx.const(v, "float32")
+
+    @staticmethod
+    def eq(a, b):
+        import tvm
+        return tvm.tirx.EQ(a, b)
+
+    @staticmethod
+    def select(c, a, b):
+        import tvm
+        return tvm.tirx.Select(c, a, b)
+
+    @staticmethod
+    def as_f32(x):
+        import tvm
+        return tvm.tirx.reinterpret("float32", x)
+
+    @staticmethod
+    def as_u32(x):
+        import tvm
+        return tvm.tirx.reinterpret("uint32", x)
+
+
+def _f16_by_bits(bits):
+    import tvm
+
+    from .tir import f16_bits_to_f32
+    return f16_bits_to_f32(tvm.tirx.Cast("uint32", bits), _TIROps)
+
+
+def _f16_by_cpu(bits):  # F16C on x86
+    import tvm
+    return tvm.tirx.Cast("float32", tvm.tirx.reinterpret("float16", bits))
+
+
+def _llvm_prefetch(address):
+    import tvm
+    return tvm.tirx.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 3, 1)
+
+
+def _no_prefetch(address):
+    import tvm
+    return tvm.tirx.const(0, "int32")
+
+
+def _ramp_load(w, at):
+    import tvm
+    return tvm.tirx.BufferLoad(w, [tvm.tirx.Ramp(at, 1, 16)])
+
+
+def _vload16(w, at):
+    import tvm
+    return tvm.tirx.call_pure_extern("uint8x16", "vload16", 0, tvm.tirx.address_of(tvm.tirx.BufferLoad(w, [at])))
+
+
+def _parallel(n):
+    from tvm.script.parser import tirx as T
+    return T.parallel(n)
+
+
+def _work_groups(n):
+    from tvm.script.parser import tirx as T
+    return T.thread_binding(n, thread="blockIdx.x")
+
+
+def _vector(n):
+    from tvm.script.parser import tirx as T
+    return T.vectorized(n)
+
+
+def _unrolled(n):
+    from tvm.script.parser import tirx as T
+    return T.unroll(n)
+
+
+def _cl_vector(n):
+    from tvm.script.parser import tirx as T
+    return T.vectorized(n) if n in (1, 2, 3, 4, 8, 16) else T.unroll(n)
+
+
+# TVM 0.27 makes a "global" buffer under 1 KiB inside a parallel loop a stack array of the
+# task, which LLVM keeps in registers ("local" would be a heap workspace per iteration)
+LLVM = NestTarget("llvm", _parallel, _vector, _vector, "global", _f16_by_cpu, _llvm_prefetch, _ramp_load)
+OPENCL_CPU = NestTarget("opencl-cpu", _work_groups, _cl_vector, _unrolled, "local", _f16_by_bits, _no_prefetch, _vload16)

@@ -2,7 +2,8 @@
 
 llvm: one shared library per graph (export_library), called through the TVM runtime.
 GPU targets: dlight schedules each PrimFunc (a hand schedule binds the sequential ones:
-one thread per spatial point), TVM lowers them and splits host from device code; what is
+one thread per spatial point; on a CPU OpenCL device the loop nests take their PrimFuncs,
+nest_targets.py), TVM lowers them and splits host from device code; what is
 kept is the device source and, per PrimFunc, its device kernels in launch order with
 their parameter order and launch extents (size expressions over n_<symbol>), which is all
 a plan needs to launch them with the native runtimes."""
@@ -291,7 +292,8 @@ def _walk(node, visit, conditions: tuple = ()) -> None:
 
 
 def size_expr(e, lets=None) -> str:
-    """A TIR integer expression as a plan size expression (`lets`: values of bound vars)."""
+    """A TIR integer expression (or a launch condition) as a plan size expression (`lets`:
+    values of bound vars)."""
     lets = lets or {}
     import tvm
     from tvm import tirx
@@ -302,17 +304,14 @@ def size_expr(e, lets=None) -> str:
         return size_expr(lets[e.name], lets) if e.name in lets else e.name
     if isinstance(e, tirx.Cast):
         return size_expr(e.value, lets)
-    binary = {tirx.Add: "+", tirx.Sub: "-", tirx.Mul: "*", tirx.FloorDiv: "//", tirx.FloorMod: "%"}
+    binary = {tirx.Add: "+", tirx.Sub: "-", tirx.Mul: "*", tirx.FloorDiv: "//", tirx.FloorMod: "%",
+              tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">=", tirx.EQ: "==", tirx.NE: "!=",
+              tirx.And: "and", tirx.Or: "or"}
     for cls, sym in binary.items():
         if isinstance(e, cls):
             return f"({size_expr(e.a, lets)} {sym} {size_expr(e.b, lets)})"
     if isinstance(e, (tirx.Min, tirx.Max)):
         return f"{'min' if isinstance(e, tirx.Min) else 'max'}({size_expr(e.a, lets)}, {size_expr(e.b, lets)})"
-    tests = {tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">=", tirx.EQ: "==", tirx.NE: "!=",
-             tirx.And: "and", tirx.Or: "or"}
-    for cls, sym in tests.items():  # a launch condition
-        if isinstance(e, cls):
-            return f"({size_expr(e.a, lets)} {sym} {size_expr(e.b, lets)})"
     if isinstance(e, tirx.Not):
         return f"(not {size_expr(e.a, lets)})"
     if isinstance(e, tvm.ir.Call) and e.op.name == "tirx.shift_right":

@@ -6,7 +6,8 @@ through the TVM runtime on numpy buffers; `cuda` and `opencl` kernels are device
 run by the same CuPy / pyopencl runtimes as the native kernels, with no TVM at load time.
 
 tir.py (TVMScript text helpers) · lowering.py + ops_*.py (graph -> plan of PrimFuncs) ·
-cpu_schedules.py (the llvm target's hand-written loop nests) · build.py (per-target builds,
+cpu_schedules.py (hand-written loop nests for CPUs) · nest_targets.py (what a nest takes from
+llvm or from OpenCL C on a CPU device) · build.py (per-target builds,
 dlight, device launches, disk cache) · host.py / cl_device.py
 (run-time devices) · rocm_build.py (AMDGPU objects) · version.py (the pin) · backend.py.
 """

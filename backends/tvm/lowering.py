@@ -61,7 +61,8 @@ def registered_ops() -> set[str]:
 
 def lower(graph: Graph, profile: str = "gpu") -> tuple[Plan, dict[str, PrimKernel]]:
     """The launch plan of `graph` and its PrimFuncs by name (LoweringError names a node without one).
-    TVM schedules each PrimFunc per target later; `profile` "cpu" (the llvm target) takes the
-    hand-written loop nests where an op has one in place of kernels for dlight's rules."""
+    TVM schedules each PrimFunc per target later; `profile` "cpu" (the llvm target, OpenCL on
+    a CPU device) takes the hand-written loop nests where an op has one in place of kernels
+    for dlight's rules."""
     plan = Lowering(graph, profile, TVMNodeCtx).run()
     return plan, plan.kernels

@@ -408,14 +408,15 @@ class DeviceProgram:
                      repeats: int = 3) -> list[tuple[str, tuple[int, ...], float]]:
         """(kernel, work-groups, seconds) of each launch of a call with these inputs, in plan
         order: each launched alone once its predecessors have finished and timed to the
-        device's finish, less what a wait with nothing pending takes (the fastest such wait
-        timed just before each launch: timed once a replay, on a busy machine every sample
-        could come out slow, and every small launch's price negative); the fastest of
-        `repeats` replays on freshly bound inputs. A launch is so priced where the call runs it, with
-        the caches its predecessors leave and its own launch overhead, and no price holds
-        another launch's time (differences of whole-prefix timings did: their jitter moved
-        milliseconds between neighbours). In-place updates (KV caches, recurrent states) are
-        applied once per replay: what the calls leave is not for keeping."""
+        device's finish, less what a wait with nothing pending takes (the fastest of such
+        waits timed just before each launch: timed once a replay instead, all its samples
+        came out slow on a busy CI machine, and every small launch's price negative); the
+        fastest of `repeats` replays on freshly bound inputs. A launch is so priced where
+        the call runs it, with the caches its predecessors leave and its own launch
+        overhead, and no price holds another launch's time (differences of whole-prefix
+        timings did: their jitter moved milliseconds between neighbours). In-place updates
+        (KV caches, recurrent states) are applied once per replay: what the calls leave is
+        not for keeping."""
         bindings, env, sized = self._prepare(inputs, states)
         self._check_plan(bindings)
         launches = self._resolve([s for s in self.plan.steps if not s.constant], sized.buffers, env)

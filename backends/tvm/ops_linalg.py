@@ -104,7 +104,6 @@ def expert_matmul(ctx: TVMNodeCtx) -> None:
     slots = dim(ids.type.shape[1])
     N, K = dim(n), dim(k)
     rows = prod(ids.type.shape)
-    buffers = [("x", x, False), ("w", w, False), ("ids", ids, False)]
     if (ctx.profile == "cpu" and w.type.dtype is DType.Q8_0 and x.type.dtype is DType.F32
             and all(isinstance(d, int) for d in (experts, n, k))):
         count, order = ctx.temp(TensorType(DType.I32, (experts + 2,))), ctx.temp(TensorType(DType.I32, ids.type.shape))
@@ -117,7 +116,7 @@ def expert_matmul(ctx: TVMNodeCtx) -> None:
     xrow = f"(p // {slots})" if x.type.rank == 2 else "p"
     xv = weight_at(DType.Q8_0, "x", xrow, "c", k) if x.type.dtype is DType.Q8_0 else f"x[{xrow} * {K} + c]"
     term = f"{xv} * {weight_at(w.type.dtype, 'w', f'ids[p] * {N} + col', 'c', k)}"
-    ctx.kernel("expert_matmul", buffers + [("out", out, True)],
+    ctx.kernel("expert_matmul", [("x", x, False), ("w", w, False), ("ids", ids, False), ("out", out, True)],
                block([("p", rows), ("col", N)], f"out[p * {N} + col] = out[p * {N} + col] + {term}",
                      reduce=[("c", K)], init=f"out[p * {N} + col] = T.float32(0)"))
 

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
               f"target {row['target_decode_tps']:.1f}", flush=True)
     drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
     margins = [r["logit_margin"] for r in rows if "logit_margin" in r]
-    summary = {"llama_cpp": _run([str(args.bin / "llama-completion"), "--version"]).stderr.strip().splitlines()[0], "n_predict": args.n_predict, "threads": THREADS,
+    version = _run([str(args.bin / "llama-completion"), "--version"]).stderr.strip().splitlines()[0]
+    summary = {"llama_cpp": version, "n_predict": args.n_predict, "threads": THREADS,
                "prompts": len(rows), "prompt_ids_equal": sum(r["prompt_ids_equal"] for r in rows),
                "text_equal_ours": sum(r["text_equal_ours"] for r in rows),
                "logit_margin_at_first_difference": {"min": min(margins, default=None), "median":

@@ -218,7 +218,7 @@ class TVMOpenCLBackend(TVMGPUBackend):
 
     def nests(self) -> NestTarget | None:
         """On a CPU device (PoCL) the products, attention, the delta rule and the experts run
-        the llvm target's loop nests, a task per work-group: dlight's GPU schedules ran 12-140x
+        the llvm target's loop nests, a task per work-group: dlight's GPU schedules ran 12-141x
         behind the native kernels there."""
         return OPENCL_CPU if self.profile() == "cpu" else None
 

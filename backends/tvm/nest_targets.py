@@ -36,43 +36,24 @@ class NestTarget:
         import tvm
         from tvm.script.parser import tirx as T
 
-        names = {"T": T, "tasks": self.tasks, "vectorized": self.vectorized, "gathered": self.gathered, "SCRATCH": self.scratch, "f16": self.f16, "prefetch": self.prefetch,
-                 "bytes16": self.bytes16}
+        names = {"T": T, "tasks": self.tasks, "vectorized": self.vectorized, "gathered": self.gathered,
+                 "SCRATCH": self.scratch, "f16": self.f16, "prefetch": self.prefetch, "bytes16": self.bytes16}
         return tvm.script.from_source(script, extra_vars=names)
+
+
+def _tir():
+    import tvm
+    return tvm.tirx
 
 
 class _TIROps:
     """f16_bits_to_f32's expressions as TIR nodes."""
-
-    @staticmethod
-    def u32(v):
-        import tvm
-        return tvm.tirx.const(v, "uint32")
-
-    @staticmethod
-    def f32(v):
-        import tvm
-        return tvm.tirx.const(v, "float32")
-
-    @staticmethod
-    def eq(a, b):
-        import tvm
-        return tvm.tirx.EQ(a, b)
-
-    @staticmethod
-    def select(c, a, b):
-        import tvm
-        return tvm.tirx.Select(c, a, b)
-
-    @staticmethod
-    def as_f32(x):
-        import tvm
-        return tvm.tirx.reinterpret("float32", x)
-
-    @staticmethod
-    def as_u32(x):
-        import tvm
-        return tvm.tirx.reinterpret("uint32", x)
+    u32 = staticmethod(lambda v: _tir().const(v, "uint32"))
+    f32 = staticmethod(lambda v: _tir().const(v, "float32"))
+    eq = staticmethod(lambda a, b: _tir().EQ(a, b))
+    select = staticmethod(lambda c, a, b: _tir().Select(c, a, b))
+    as_f32 = staticmethod(lambda x: _tir().reinterpret("float32", x))
+    as_u32 = staticmethod(lambda x: _tir().reinterpret("uint32", x))
 
 
 def _f16_by_bits(bits):

@@ -109,6 +109,7 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
     from dflash_ir.models.config import DraftConfig, TargetConfig
     from dflash_ir.models.tensors import validate_tensors
     from dflash_ir.models.dflash import DFlashBuilder
+    from dflash_ir.models.draft_vocab import read_d2t
     from dflash_ir.models.gguf_file import open_gguf
     from dflash_ir.models.targets import target_builder
     from dflash_ir.models.transformer import GraphSpec
@@ -125,6 +126,9 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
         dcfg = DraftConfig.from_gguf(dft)
         validate_tensors(dft, dcfg)
         check_pair(dcfg, tcfg, draft_path=dft.path, target_path=tgt.path)
+        if dcfg.draft_vocab:
+            read_d2t(dft, tcfg.vocab_size)
+            progress(f"the draft's own head: {dcfg.draft_vocab} of the target's {tcfg.vocab_size} tokens (d2t)")
         pair.files["draft"], pair.configs["draft"] = dft, dcfg
         db = DFlashBuilder(dft, dcfg, tgt, tcfg)
         pair.graphs["draft.inject"] = db.inject()
@@ -145,8 +149,9 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
 
 
 def make_engine(programs: dict, *, n_ctx: int, n_max: int, draft_cfg: dict | None, target_meta=None,
-                target_source: str = "target", info: dict | None = None):
-    """Wire runners around loaded programs (names 'target.*', 'draft.*') into an Engine."""
+                target_source: str = "target", info: dict | None = None, draft_vocab=None):
+    """Wire runners around loaded programs (names 'target.*', 'draft.*') into an Engine;
+    `draft_vocab` is a reduced draft head's d2t ids (models/draft_vocab.py)."""
     from dflash_ir.runtime.draft_runner import DraftRunner
     from dflash_ir.runtime.engine import Engine
     from dflash_ir.runtime.target_runner import TargetRunner
@@ -158,7 +163,7 @@ def make_engine(programs: dict, *, n_ctx: int, n_max: int, draft_cfg: dict | Non
     draft = None
     if draft_cfg is not None:
         draft = DraftRunner(role("draft"), n_ctx, block_size=int(draft_cfg["block_size"]),
-                            mask_token_id=int(draft_cfg["mask_token_id"]))
+                            mask_token_id=int(draft_cfg["mask_token_id"]), vocab=draft_vocab)
     tokenizer = chat = None
     if target_meta is not None:
         from dflash_ir.models.chat_template import ChatTemplate
@@ -179,10 +184,19 @@ def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15
     check_fits(pair.graphs, pair.files, n_ctx=n_ctx, block_size=_block_size(pair.configs.get("draft")),
                dequantised=True, where=f"{pair.files['target'].path} with a context of {n_ctx}")
     programs = {name: Interpreter(g, pair.weights) for name, g in pair.graphs.items()}
-    draft_cfg = dataclasses.asdict(pair.configs["draft"]) if "draft" in pair.configs else None
+    configs = {role: dataclasses.asdict(c) for role, c in pair.configs.items()}
     meta = pair.files["target"].metadata if load_tokenizer else None
-    return make_engine(programs, n_ctx=n_ctx, n_max=n_max, draft_cfg=draft_cfg, target_meta=meta,
-                       target_source=str(pair.files["target"].path))
+    return make_engine(programs, n_ctx=n_ctx, n_max=n_max, draft_cfg=configs.get("draft"), target_meta=meta,
+                       target_source=str(pair.files["target"].path), draft_vocab=_draft_vocab(pair.files, configs))
+
+
+def _draft_vocab(files: Mapping[str, Any], configs: Mapping[str, Mapping[str, Any]]):
+    """The d2t ids of a draft with a reduced head, else None."""
+    from dflash_ir.models.draft_vocab import read_d2t
+
+    if not configs.get("draft", {}).get("draft_vocab"):
+        return None
+    return read_d2t(files["draft"], configs["target"]["vocab_size"])
 
 
 def resolve_numerics(backend: str, numerics: str | None) -> str:
@@ -352,7 +366,7 @@ def load_compiled(path, *, load_tokenizer: bool = True, n_max: int | None = None
     engine = make_engine(programs, n_ctx=cfg["n_ctx"], n_max=cfg["n_max"] if n_max is None else n_max,
                          draft_cfg=cfg.get("draft"),
                          target_meta=files["target"].metadata if load_tokenizer else None,
-                         target_source=str(files["target"].path),
+                         target_source=str(files["target"].path), draft_vocab=_draft_vocab(files, cfg),
                          info={"artifact": str(path), "backend": manifest["backend"], "sources": manifest["sources"],
                                "numerics": cfg["numerics"], "memory_need": need})
     if measure_costs and engine.draft is not None:

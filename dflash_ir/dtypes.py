@@ -104,7 +104,7 @@ _NUMPY = {
 GGML_TYPE_IDS = {
     0: DType.F32, 1: DType.F16, 2: DType.Q4_0, 3: DType.Q4_1, 6: DType.Q5_0, 7: DType.Q5_1, 8: DType.Q8_0,
     10: DType.Q2_K, 11: DType.Q3_K, 12: DType.Q4_K, 13: DType.Q5_K, 14: DType.Q6_K, 20: DType.IQ4_NL,
-    23: DType.IQ4_XS, 30: DType.BF16, 39: DType.MXFP4,
+    23: DType.IQ4_XS, 26: DType.I32, 27: DType.I64, 30: DType.BF16, 39: DType.MXFP4,
 }
 
 

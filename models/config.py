@@ -29,7 +29,7 @@ from .metadata import (
     check_arch,
     read_mask_id,
 )
-from .tensors import FLOAT_DTYPES, ROPE_FACTORS
+from .tensors import D2T, FLOAT_DTYPES, ROPE_FACTORS
 
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default when the key is absent
 DEFAULT_ROPE_THETA = 10000.0  # llama.cpp's rope.freq_base when the key is absent
@@ -227,6 +227,9 @@ class DraftConfig:
     `fc_in` is the stored input width of fc.weight (n_taps * hidden in a valid pair).
     `n_rot` is rope.dimension_count, the head dim when absent (drafts rotate whole heads).
     `swa_layers` flags the sliding-window layers (empty: no sliding window).
+    `draft_vocab` is the row count of the draft's own reduced output head (`output.weight`,
+    whose row i proposes target token `d2t[i]`: llama.cpp's reduced draft vocabulary), 0 when
+    the draft borrows the target's whole head.
     """
 
     n_layer: int
@@ -246,6 +249,7 @@ class DraftConfig:
     sliding_window: int = 0
     swa_layers: tuple[bool, ...] = ()
     context_length: int = 262144
+    draft_vocab: int = 0
     role: ClassVar[str] = "draft"
 
     @property
@@ -282,13 +286,15 @@ class DraftConfig:
         fc = f.tensors.get("fc.weight")
         if fc is None:
             raise ModelConfigError(f"{source}: tensor fc.weight is missing")
-        return cls.from_metadata(f.metadata, fc_in=fc.shape[-1], source=source, tensor_names=f.tensors)
+        d2t = f.tensors.get(D2T)
+        return cls.from_metadata(f.metadata, fc_in=fc.shape[-1], source=source, tensor_names=f.tensors,
+                                 draft_vocab=d2t.shape[0] if d2t is not None and d2t.shape else 0)
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], *, fc_in: int, source: str = "<metadata>",
-                      tensor_names: Iterable[str] | None = None) -> DraftConfig:
-        """Config from a metadata dict plus the stored fc input width (and, as for a target,
-        the tensor names the layer count is checked against)."""
+                      tensor_names: Iterable[str] | None = None, draft_vocab: int = 0) -> DraftConfig:
+        """Config from a metadata dict plus the stored fc input width and reduced-head rows
+        (and, as for a target, the tensor names the layer count is checked against)."""
         check_arch(meta, source, want_target=False)
         r = MetadataReader(meta, source, DRAFT_ARCH)
         n_layer = r.int(DRAFT_KEYS["n_layer"])
@@ -306,6 +312,7 @@ class DraftConfig:
             head_dim=head_dim,
             mask_token_id=read_mask_id(meta, source),
             fc_in=int(fc_in),
+            draft_vocab=int(draft_vocab),
             sliding_window=window,
             swa_layers=swa,
             target_layers=r.ints(DRAFT_KEYS["target_layers"]),

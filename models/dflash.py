@@ -7,8 +7,11 @@
   length and never kept), logits of rows 1..B-1 through the target's output head, and
   their argmax as proposals.
 
-The draft has no embedding or output head of its own: both are the target's tensors
-(weights with source "target"). Its norms are plain RMSNorm weights (no +1).
+The draft has no embedding of its own: it is the target's (weights with source "target"),
+as is the output head unless the draft carries a reduced one (`d2t`, models/draft_vocab.py):
+then its logits cover those rows and its proposals are row numbers, which the runtime maps
+to target ids (DraftRunner; on the host, where 64-bit ids need no device support). Its
+norms are plain RMSNorm weights (no +1).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph, Value
 
 from .config import DraftConfig, TargetConfig
+from .draft_vocab import DRAFT_HEAD, target_head
 from .gguf_file import GGUFFile
 
 
@@ -96,8 +100,11 @@ class DFlashBuilder:
                 h = b.add(h, self._linear(b, mlp, f"blk.{i}.ffn_down.weight"), name="resid_ffn")
         out = b.rmsnorm(h, self._w(b, "output_norm.weight"), eps=cfg.rms_eps, name="hidden")
         b.output("hidden", out)
-        head = "token_embd.weight" if self.target_cfg.tied_output else "output.weight"
-        logits = self._linear(b, b.slice(out, axis=0, start=1, stop=B), head, source="target")
+        rows = b.slice(out, axis=0, start=1, stop=B)
+        if cfg.draft_vocab:
+            logits = self._linear(b, rows, DRAFT_HEAD)
+        else:
+            logits = self._linear(b, rows, target_head(self.target_cfg), source="target")
         b.output("logits", logits)
         b.output("proposals", b.argmax(logits))
         return b.build()

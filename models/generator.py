@@ -44,7 +44,7 @@ from .checks import check_draft, check_target
 from .config import DEFAULT_FULL_ATTENTION_INTERVAL, DraftConfig, TargetConfig, interval_pattern
 from .gguf_file import squeeze_shape
 from .metadata import DENSE_ARCHS, DRAFT_ARCH, MASK_TOKEN_KEYS
-from .tensors import converter_keeps_f32, expected_tensors, mtp_tensors
+from .tensors import D2T, converter_keeps_f32, expected_tensors, mtp_tensors
 from .tokenizer import BYTE_TO_UNICODE, TokenType
 
 # Requested file type -> (storage type of quantisable tensors, general.file_type = llama_ftype).
@@ -231,7 +231,9 @@ def real_configs(name: str) -> tuple[TargetConfig, DraftConfig]:
 
 
 class PlannedTensor:
-    """Float32 values (numpy order) and the type they are stored as. A generated tensor's
+    """Float32 values (numpy order) and the type they are stored as, or the storage itself
+    (an array already of the stored type's numpy dtype, with `shape` the tensor's: rows
+    copied from another file, an index tensor), written as it is. A generated tensor's
     values are made when first read, from the random generator's state recorded when it was
     planned, and kept from then on (edits stick); `write_gguf` makes an unread tensor's values
     for its own write only, so a plan larger than memory is written one tensor at a time."""
@@ -239,7 +241,7 @@ class PlannedTensor:
     def __init__(self, values: np.ndarray | None, dtype: DType, *, make: Callable[[], np.ndarray] | None = None,
                  shape: tuple[int, ...] | None = None):
         self._values, self._make, self.dtype = values, make, dtype
-        self._shape = tuple(values.shape) if values is not None else tuple(shape)
+        self._shape = tuple(shape) if shape is not None else tuple(values.shape)
 
     @property
     def values(self) -> np.ndarray:
@@ -337,7 +339,11 @@ def draft_plan(
         **put("block_size", "target_layers"),
     }
     vocab = dict(tokenizer or tiny_vocab(target_cfg.vocab_size)) | {MASK_TOKEN_KEYS[0]: cfg.mask_token_id}
-    return _plan(DRAFT_ARCH, name, meta, tensors, dtype, seed, vocab)
+    plan = _plan(DRAFT_ARCH, name, meta, tensors, dtype, seed, vocab)
+    if cfg.draft_vocab:  # ids spread over the target's vocabulary; models/draft_vocab.py copies real head rows
+        plan.tensors[D2T] = PlannedTensor(np.arange(cfg.draft_vocab, dtype=np.int64) * target_cfg.vocab_size
+                                          // cfg.draft_vocab, DType.I64)
+    return plan
 
 
 def write_gguf(path: str | os.PathLike[str], plan: GGUFPlan) -> Path:
@@ -366,7 +372,10 @@ QUANTIZE_CHUNK = 1 << 24  # elements rounded at once: the rounding's temporaries
 
 def _stored(values: np.ndarray, dtype: DType) -> np.ndarray:
     """`quant.quantize(values, dtype)`, a chunk of rows at a time (every stored type rounds rows
-    independently), so a 248k x 4096 embedding needs its values and its storage, not 4x its values."""
+    independently), so a 248k x 4096 embedding needs its values and its storage, not 4x its values.
+    Values already of the storage's numpy dtype are the storage (PlannedTensor)."""
+    if values.dtype == dtype.numpy():
+        return values
     if values.ndim < 2 or values.size <= QUANTIZE_CHUNK:
         return quant.quantize(values, dtype)
     rows = values.reshape(-1, values.shape[-1])

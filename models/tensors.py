@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # conv) must stay float: ggml's elementwise and ssm_conv ops need them that way too.
 FLOAT_DTYPES = frozenset({DType.F32, DType.F16, DType.BF16})
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1 RoPE scaling as llama.cpp's converter writes it
+D2T = "d2t"  # a draft's reduced vocabulary: the target token id of each row of its own output.weight
+INDEX_TENSORS = {D2T: frozenset({DType.I64})}  # llama.cpp stores d2t as I64, absolute ids
 WEIGHT_DTYPES = FLOAT_DTYPES | {d for d in DType if d.is_block}
 
 
@@ -36,6 +38,8 @@ def converter_keeps_f32(name: str, ndim: int) -> bool:
 
 def allowed_dtypes(name: str, shape: tuple[int, ...]) -> frozenset[DType]:
     """Storage types we accept for tensor `name`."""
+    if name in INDEX_TENSORS:
+        return INDEX_TENSORS[name]
     return FLOAT_DTYPES if converter_keeps_f32(name, len(squeeze_shape(shape))) else WEIGHT_DTYPES
 
 
@@ -43,7 +47,7 @@ def expected_tensors(cfg: TargetConfig | DraftConfig) -> dict[str, tuple[int, ..
     """Required tensors of `cfg`'s file with numpy-order shapes, in the converter's order.
 
     Target MTP blocks are not included (see `mtp_tensors`); a draft's optional
-    token_embd/output are not either.
+    token_embd/output are not either, except the reduced output head with its d2t.
     """
     if cfg.role == "draft":
         return _draft_tensors(cfg)
@@ -119,6 +123,8 @@ def _draft_tensors(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         )
         t |= {f"blk.{i}.{n}": s for n, s in block.items()}
     t["output_norm.weight"] = (h,)
+    if cfg.draft_vocab:
+        t |= {"output.weight": (cfg.draft_vocab, h), D2T: (cfg.draft_vocab,)}
     return t
 
 
@@ -141,7 +147,8 @@ def _attention(h: int, hd: int, q_rows: int, kv: int, o_cols: int, *, norms: boo
 def validate_tensors(f: GGUFFile, cfg: TargetConfig | DraftConfig) -> None:
     """Check every expected tensor is present with its shape and a supported type, and nothing else is there.
 
-    MTP blocks of a target, and a draft's token_embd/output, are optional and unchecked.
+    MTP blocks of a target, and a draft's token_embd/output, are optional and unchecked
+    (a draft's output is checked when a d2t gives it a reduced vocabulary).
     """
     source = str(f.path)
     expected = expected_tensors(cfg)

@@ -16,11 +16,16 @@ from .state import zero_states
 
 
 class DraftRunner:
-    def __init__(self, programs: Mapping[str, Program], n_ctx: int, *, block_size: int, mask_token_id: int):
+    """`vocab`: the target id of each row of a reduced draft head (its d2t), which the block
+    program's proposals are rows of; None when the draft proposes with the target's head."""
+
+    def __init__(self, programs: Mapping[str, Program], n_ctx: int, *, block_size: int, mask_token_id: int,
+                 vocab: np.ndarray | None = None):
         self.programs = programs
         self.n_ctx = n_ctx
         self.block_size = block_size
         self.mask_token_id = mask_token_id
+        self.vocab = vocab
         self.reset()
 
     @property
@@ -49,11 +54,16 @@ class DraftRunner:
     def propose(self, anchor: int) -> np.ndarray:
         """Greedy proposals for positions ctx_len+1 .. ctx_len+B-1 given the anchor at ctx_len
         (the draft's hidden states and logits stay on the device)."""
-        return self._block(anchor, keep=("hidden", "logits")).outputs["proposals"]
+        return self._target_ids(self._block(anchor, keep=("hidden", "logits")).outputs["proposals"])
 
     def block_outputs(self, anchor: int) -> dict[str, np.ndarray]:
-        """Every output of the block pass on the host (proposals, hidden, logits): for checks."""
-        return self._block(anchor).outputs
+        """Every output of the block pass on the host (proposals as target ids, hidden,
+        logits): for checks."""
+        outputs = self._block(anchor).outputs
+        return {**outputs, "proposals": self._target_ids(outputs["proposals"])}
+
+    def _target_ids(self, proposals: np.ndarray) -> np.ndarray:
+        return proposals if self.vocab is None else self.vocab[proposals].astype(np.int32)
 
     def _block(self, anchor: int, keep=()):
         B = self.block_size

@@ -83,7 +83,8 @@ class SlotEngine:
         self.engine.target = SlotTargetRunner(shared.target.programs, shared.n_ctx)
         if shared.draft is not None:
             self.engine.draft = DraftRunner(shared.draft.programs, shared.draft.n_ctx,
-                                            block_size=shared.draft.block_size, mask_token_id=shared.draft.mask_token_id)
+                                            block_size=shared.draft.block_size, mask_token_id=shared.draft.mask_token_id,
+                                            vocab=shared.draft.vocab)
         self.engine.last_stats, self.engine.last_rounds = None, []
         self._stores = {"target": OwnedBuffers(), "draft": OwnedBuffers()}
         self._by_position = {role: _position_major(runner.programs) for role, runner in

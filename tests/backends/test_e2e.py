@@ -9,6 +9,9 @@ import pytest
 
 from dflash_ir.artifact import compile_pair, load_compiled, open_engine
 from dflash_ir.backends.base import get_backend
+from dflash_ir.models.draft_vocab import reduced_draft_plan
+from dflash_ir.models.generator import TINY_MASK_ID, write_gguf
+from dflash_ir.models.gguf_file import open_gguf
 
 PROMPT = [5, 77, 140, 9, 260, 31, 8]
 AGREEING_PROMPT = [5, 77, 140, 9, 260, 31, 8, 101, 44, 203, 17, 66, 250, 12, 90, 133]  # >= 15 tokens, no MASK
@@ -96,6 +99,22 @@ def test_cost_aware_length_and_decode_steps_keep_greedy_output(backend, agreeing
     gen = engine.generate(prompt_ids=AGREEING_PROMPT, max_tokens=30, ignore_eos=True)
     assert gen.tokens == want and gen.stats.lengths[:len(script)] == script
     assert [r["accepted"] for r in gen.rounds] == [min(5, len(r["proposals"])) for r in gen.rounds]
+
+
+def test_a_reduced_draft_head_keeps_acceptance_and_greedy_output(backend, agreeing_pair, tmp_path):
+    """A draft agreeing on 5 proposals, given a reduced head (d2t) of 64 ids that holds the
+    text's tokens and MASK: its proposals, mapped to target ids, are accepted as the full
+    head's are (min(5, n) a round), and the tokens are the interpreter's target-only ones."""
+    target, draft = agreeing_pair("qwen35", 5, "f16")
+    ids = np.array(sorted(set(AGREEING_PROMPT) | {TINY_MASK_ID} | set(range(0, 320, 7))), np.int64)
+    reduced = write_gguf(tmp_path / "reduced.gguf", reduced_draft_plan(open_gguf(draft), open_gguf(target), ids))
+    engine = _engine(backend, target, reduced, tmp_path / "art")
+    want = open_engine(target, draft, n_ctx=96).generate(prompt_ids=AGREEING_PROMPT, max_tokens=25,
+                                                          speculative=False, ignore_eos=True).tokens
+    gen = engine.generate(prompt_ids=AGREEING_PROMPT, max_tokens=25, n_max=7, ignore_eos=True)
+    assert gen.tokens == want
+    assert {r["accepted"] for r in gen.rounds} == {5}
+    assert set().union(*(r["proposals"] for r in gen.rounds)) <= set(ids.tolist())
 
 
 def _committed_states(target) -> dict[str, np.ndarray]:

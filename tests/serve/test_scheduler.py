@@ -222,3 +222,26 @@ def test_a_jobs_end_is_delivered_once_its_slot_is_free(engine, prompt_ids):
     scheduler.submit(Job(list(prompt_ids[1]), {"ignore_eos": True, "max_tokens": 5, "n_max": 99}, deliver))
     run_all(scheduler)
     assert busy_at_end == [("Finished", 0), ("Failed", 0)]
+
+
+def test_slots_propose_through_a_reduced_draft_head(agreeing_pair, tmp_path):
+    """A slot's draft maps its proposals through the draft's d2t as the engine's does: with a
+    head that holds the text, every round of a draft agreeing on 5 accepts 5 (the interpreter)."""
+    import numpy as np
+
+    from dflash_ir.artifact import open_engine
+    from dflash_ir.models.draft_vocab import reduced_draft_plan
+    from dflash_ir.models.generator import TINY_MASK_ID, write_gguf
+    from dflash_ir.models.gguf_file import open_gguf
+
+    target, draft = agreeing_pair("qwen35", 5)
+    prompt = [5, 77, 140, 9, 260, 31, 8, 101, 44, 203, 17, 66, 250, 12, 90, 133]
+    ids = np.array(sorted(set(prompt) | {TINY_MASK_ID}), np.int64)
+    reduced = write_gguf(tmp_path / "reduced.gguf", reduced_draft_plan(open_gguf(draft), open_gguf(target), ids))
+    rec = Recorder()
+    scheduler = Scheduler(open_engine(target, reduced, n_ctx=96), n_slots=2, queue_size=0, batch=False)
+    for k in range(2):
+        scheduler.submit(rec.job(k, prompt, max_tokens=20, n_max=7))
+    run_all(scheduler)
+    assert [type(e) for k in range(2) for e in rec.ends(k)] == [Finished, Finished]
+    assert {r["accepted"] for slot in scheduler.slots for r in slot.state.engine.last_rounds} == {5}

@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=demo.DEMO_DIR,
                    help="coder: the folder with the pair and prompts.json (default demo/)")
     p.add_argument("--work", type=Path, default=ROOT / "build", help="where the artifact is compiled (default build/)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="only the first N held-out prompts (smollm2: 54 are the first prompt set's)")
+    p.add_argument("--draft", type=Path, default=None, help="smollm2: another draft GGUF for the target")
+    p.add_argument("-o", "--out", type=Path, default=None, help="the JSON to write (default: the pair's, above)")
     args = p.parse_args(argv)
     if args.pair == "coder":
         coder = demo.PAIRS["coder"]
@@ -49,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         requests, written = coder_requests(args.dir), args.dir / "measurements.json"
     else:
         target, draft = demo.pair_files(demo.PAIRS[args.pair])
+        draft = args.draft or draft
         requests, written = smollm2_requests(), demo.DEMO_DIR / "smollm2-measurements.json"
-    out = args.work / f"measure-{args.pair}-{args.backend}"
+    requests, written = requests[:args.prompts], args.out or written
+    out = args.work / f"measure-{args.pair}-{args.backend}-{draft.stem}"
     compile_pair(target, draft, out=out, backend=args.backend, n_ctx=demo.PAIRS[args.pair].n_ctx)
     engine = load_compiled(out)
     modes = {"fixed": dict(adaptive=False), "spec": {}, "target": dict(speculative=False)}
@@ -73,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     tps = {mode: tokens[mode] / seconds[mode] for mode in modes}
     rounds = sum(hist.values())
     summary = {
-        "pair": args.pair, "backend": args.backend, "n_predict": args.n_predict, "machine": f"{platform.machine()}, "
+        "pair": args.pair, "draft": draft.name,
+        "draft_head": "the target's" if engine.draft.vocab is None else f"{len(engine.draft.vocab)} tokens (d2t)",
+        "backend": args.backend, "n_predict": args.n_predict, "machine": f"{platform.machine()}, "
         f"{platform.python_implementation()} {platform.python_version()}, "
         f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}",
         "tau_mean": round(sum(k * v for k, v in hist.items()) / rounds + 1, 2),

@@ -1,4 +1,5 @@
-"""train/measure.py on a copy of the coder pair with one held-out prompt: the figures it writes."""
+"""train/measure.py on a copy of the coder pair, the first of two held-out prompts: the figures
+it writes, where it is told to."""
 import json
 import shutil
 
@@ -9,10 +10,12 @@ from train import measure
 def test_measure_writes_tau_speed_and_identity_per_prompt(tmp_path, capsys):
     for name in ("coder-target-q8_0.gguf", "coder-dflash-q8_0.gguf"):
         shutil.copy(demo.DEMO_DIR / name, tmp_path / name)
-    first = json.loads((demo.DEMO_DIR / "prompts.json").read_text())[0]
-    (tmp_path / "prompts.json").write_text(json.dumps([first]))
-    assert measure.main(["coder", "--dir", str(tmp_path), "--work", str(tmp_path / "build"), "-n", "16"]) == 0
-    got = json.loads((tmp_path / "measurements.json").read_text())
+    first, second = json.loads((demo.DEMO_DIR / "prompts.json").read_text())[:2]
+    (tmp_path / "prompts.json").write_text(json.dumps([first, second]))
+    assert measure.main(["coder", "--dir", str(tmp_path), "--work", str(tmp_path / "build"), "-n", "16",
+                         "--prompts", "1", "-o", str(tmp_path / "one.json")]) == 0
+    got = json.loads((tmp_path / "one.json").read_text())
+    assert (got["draft"], got["draft_head"]) == ("coder-dflash-q8_0.gguf", "the target's")
     (row,) = got["prompts"]
     assert row["prompt"] == first["file"] and row["identical"] and got["all_identical"]
     assert row["tokens"] == 16 and row["text"]  # ignore_eos: a completion runs to n tokens

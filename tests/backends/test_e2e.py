@@ -102,11 +102,12 @@ def test_cost_aware_length_and_decode_steps_keep_greedy_output(backend, agreeing
 
 
 def test_a_reduced_draft_head_keeps_acceptance_and_greedy_output(backend, agreeing_pair, tmp_path):
-    """A draft agreeing on 5 proposals, given a reduced head (d2t) of 64 ids that holds the
-    text's tokens and MASK: its proposals, mapped to target ids, are accepted as the full
-    head's are (min(5, n) a round), and the tokens are the interpreter's target-only ones."""
+    """A draft agreeing on 5 proposals, given a reduced head (d2t) of 59 of the 320 ids that
+    holds the text's tokens and MASK: its proposals, mapped to target ids, are accepted as the
+    whole head's are (min(5, n) a round), and the tokens are the interpreter's target-only ones."""
     target, draft = agreeing_pair("qwen35", 5, "f16")
     ids = np.array(sorted(set(AGREEING_PROMPT) | {TINY_MASK_ID} | set(range(0, 320, 7))), np.int64)
+    assert len(ids) == 59
     reduced = write_gguf(tmp_path / "reduced.gguf", reduced_draft_plan(open_gguf(draft), open_gguf(target), ids))
     engine = _engine(backend, target, reduced, tmp_path / "art")
     want = open_engine(target, draft, n_ctx=96).generate(prompt_ids=AGREEING_PROMPT, max_tokens=25,

@@ -80,6 +80,11 @@ class TargetConfig:
     role: ClassVar[str] = "target"
 
     @property
+    def head_tensor(self) -> str:
+        """The tensor the logits are made with: the embedding when tied."""
+        return "token_embd.weight" if self.tied_output else "output.weight"
+
+    @property
     def is_moe(self) -> bool:
         return self.arch == "qwen35moe"
 

@@ -22,7 +22,7 @@ from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph, Value
 
 from .config import DraftConfig, TargetConfig
-from .draft_vocab import DRAFT_HEAD, target_head
+from .draft_vocab import DRAFT_HEAD
 from .gguf_file import GGUFFile
 
 
@@ -104,7 +104,7 @@ class DFlashBuilder:
         if cfg.draft_vocab:
             logits = self._linear(b, rows, DRAFT_HEAD)
         else:
-            logits = self._linear(b, rows, target_head(self.target_cfg), source="target")
+            logits = self._linear(b, rows, self.target_cfg.head_tensor, source="target")
         b.output("logits", logits)
         b.output("proposals", b.argmax(logits))
         return b.build()

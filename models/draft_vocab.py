@@ -21,14 +21,8 @@ from .generator import GGUFPlan, PlannedTensor, write_gguf
 from .gguf_file import GGUFFile
 from .metadata import ModelConfigError
 from .tensors import D2T
-from .tokenizer import Tokenizer
 
 DRAFT_HEAD = "output.weight"
-
-
-def target_head(cfg: TargetConfig) -> str:
-    """The tensor the target's logits are made with."""
-    return "token_embd.weight" if cfg.tied_output else "output.weight"
 
 
 def read_d2t(draft: GGUFFile, target_vocab: int) -> np.ndarray:
@@ -39,9 +33,9 @@ def read_d2t(draft: GGUFFile, target_vocab: int) -> np.ndarray:
     if bad.size:
         raise ModelConfigError(f"{draft.path}: tensor {D2T} holds ids outside the target vocabulary 0..{target_vocab - 1} "
                                f"(first: {int(bad[0])})")
-    if np.unique(ids).size != ids.size:
-        raise ModelConfigError(f"{draft.path}: tensor {D2T} names a target token twice "
-                               f"({ids.size - np.unique(ids).size} repeats)")
+    repeats = ids.size - np.unique(ids).size
+    if repeats:
+        raise ModelConfigError(f"{draft.path}: tensor {D2T} names a target token twice ({repeats} repeats)")
     return ids
 
 
@@ -49,7 +43,7 @@ def frequent_tokens(tokens: Iterable[int], size: int, *, always: Iterable[int] =
     """The `size` most frequent ids of `tokens` (ties to the lower id), with `always` among
     them, ascending: a reduced vocabulary chosen from text the target writes."""
     always = sorted(set(int(t) for t in always))
-    if not len(always) <= size:
+    if len(always) > size:
         raise ValueError(f"a vocabulary of {size} tokens cannot hold the {len(always)} always kept")
     counts = np.bincount(np.fromiter(tokens, np.int64))
     ranked = [int(t) for t in np.lexsort((np.arange(counts.size), -counts)) if counts[t] and t not in always]
@@ -69,11 +63,12 @@ def reduced_draft_plan(draft: GGUFFile, target: GGUFFile, ids: np.ndarray) -> GG
     return with_reduced_vocab(without_reduced_vocab(draft), target, TargetConfig.from_gguf(target), ids)
 
 
-def write_frequent_head(draft: GGUFFile, target: GGUFFile, tokens: np.ndarray, size: int, out) -> tuple[int, float]:
+def write_frequent_head(draft: GGUFFile, target: GGUFFile, tokens: np.ndarray, size: int, out, *,
+                        always: Iterable[int]) -> tuple[int, float]:
     """`draft` written to `out` with a head of the `size` target tokens most frequent in
-    `tokens` and the end of generation: (rows, the share of `tokens` they hold)."""
+    `tokens` and `always` (the end of generation): (rows, the share of `tokens` they hold)."""
     tokens = np.asarray(tokens, np.int64)
-    ids = frequent_tokens(tokens, size, always=[Tokenizer.from_gguf(target.path).eos_id])
+    ids = frequent_tokens(tokens, size, always=always)
     write_gguf(out, reduced_draft_plan(draft, target, ids))
     return len(ids), float(np.isin(tokens, ids).mean())
 
@@ -84,7 +79,7 @@ def with_reduced_vocab(plan: GGUFPlan, target: GGUFFile, target_cfg: TargetConfi
     if ids.ndim != 1 or not ids.size or np.unique(ids).size != ids.size or ids.min() < 0 \
             or ids.max() >= target_cfg.vocab_size:
         raise ValueError(f"a reduced vocabulary is distinct ids in 0..{target_cfg.vocab_size - 1}")
-    head = target.tensor(target_head(target_cfg))
+    head = target.tensor(target_cfg.head_tensor)
     rows = np.ascontiguousarray(target.raw(head.name)[ids])
     plan.tensors[DRAFT_HEAD] = PlannedTensor(rows, head.dtype, shape=(ids.size, target_cfg.hidden))
     plan.tensors[D2T] = PlannedTensor(ids, DType.I64)

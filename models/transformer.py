@@ -129,8 +129,7 @@ class TargetBuilder:
 
         out = h if logit_rows is None else b.gather(h, logit_rows, axis=0, name="logit_rows")
         out = b.rmsnorm(out, self._w(b, "output_norm.weight"), eps=cfg.rms_eps)
-        head = "token_embd.weight" if cfg.tied_output else "output.weight"
-        logits = self._linear(b, out, head)
+        logits = self._linear(b, out, cfg.head_tensor)
         b.output("logits", logits)
         b.output("greedy", b.argmax(logits))  # a greedy round reads these ids, not the logits
         if spec.taps:

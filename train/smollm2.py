@@ -173,7 +173,8 @@ def stage_export(work: Path, target: Path, *, out: Path, vocab: int) -> None:
     export.write_draft(full, state, hf_config(ck["hp"], cfg.n_layer), target_cfg=cfg, tokenizer=tokenizer,
                        name="SmolLM2-135M-Instruct DFlash (dflash-ir)")
     if vocab:
-        rows, share = write_frequent_head(open_gguf(full), f, answer_tokens(np.load(work / "regen.npz")), vocab, out)
+        rows, share = write_frequent_head(open_gguf(full), f, answer_tokens(np.load(work / "regen.npz")), vocab, out,
+                                          always=[Tokenizer.from_gguf(target).eos_id])
         log(f"export: wrote {out}, a head of {rows} tokens holding {share:.2%} of the answers' tokens")
     else:
         full.replace(out)

@@ -76,7 +76,7 @@ def write_reduced(draft: Path, target: Path, size: int, texts: list[Path], out: 
         ids = tokenizer.encode(path.read_bytes().decode("utf-8"))
         say(f"{path}: {len(ids)} tokens")
         tokens += ids
-    rows, share = write_frequent_head(d, t, tokens, size, out)
+    rows, share = write_frequent_head(d, t, tokens, size, out, always=[tokenizer.eos_id])
     say(f"wrote {out}: a head of {rows} of {vocab} tokens, holding {share:.2%} of the texts' tokens")
 
 

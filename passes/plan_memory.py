@@ -18,6 +18,8 @@ updates. A buffer is a root value with its views and lives from the position tha
 to the last position that reads it or any view of it:
 - inputs from BIND; states from BIND to END (a caller's device array may point into a
   state's buffer until the next call has copied it in, so it is never reused within a call);
+  in a graph marked `replayed` (REPLAYED in its meta: a benchmark launches its kernels again
+  and again on inputs uploaded once) inputs to END as well;
 - graph outputs and state updates to END (the caller reads them), a state without an update
   too (its buffer comes back in as it is, so nothing may write it);
 - a temporary at its node only (unless a node's output is a view of it);
@@ -39,6 +41,7 @@ from dflash_ir.ir import Graph
 from dflash_ir.types import TensorType, parse_type
 
 BIND = -1
+REPLAYED = "replayed"  # graph meta: inputs keep their buffers to themselves (see the docstring)
 Slot = tuple[tuple[str, ...], int]  # (symbols, bytes per unit of their product)
 
 
@@ -77,6 +80,8 @@ class Liveness:
             self.read.update((x, i) for x in n.inputs)
         for v in self.kept | {s.value.name for s in graph.states if s.update is None}:
             self.read[v] = self.end
+        if graph.meta_dict.get(REPLAYED):
+            self.read.update((v.name, self.end) for v in graph.inputs)
         self.aliases: dict[str, str] = {}       # view -> root
         self.views: dict[str, list[str]] = {}   # root -> its views
         self.temps: set[str] = set()

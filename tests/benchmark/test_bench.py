@@ -120,6 +120,34 @@ def test_kernels_run_in_each_numerics_mode_asked_for(tmp_path, monkeypatch):
     assert products == [("exact", False), ("q8", True)] * 2
 
 
+@pytest.mark.parametrize("replayed", [False, True])
+def test_a_q8_decode_product_over_several_weights_keeps_its_inputs_when_replayed(tmp_path, replayed):
+    """The kernels suite's decode GEMV has one x per weight copy; in q8 each x is quantised
+    by a launch of its own, and the memory plan gives a later quantisation the slot of an x
+    already read. A replay would read that x overwritten, so the launcher refused the graph
+    and `dflash-bench --suites kernels` lost its three GEMV figures on a VNNI CPU (q8 there
+    by default). Compiled as `replayed` (what the suite's runner does), every input keeps its
+    slot to itself and the launcher replays it."""
+    import dataclasses
+
+    from dflash_ir.benchmark.programs import single_graph_runner
+    from dflash_ir.passes.pipeline import run_pipeline
+    from dflash_ir.passes.plan_memory import REPLAYED
+
+    backend = get_backend("opencl")
+    if reason := backend.unavailable_reason():
+        pytest.skip(f"opencl: {reason}")
+    case = gemv_case("g", 64, 96, 1, copies=3)
+    graph = dataclasses.replace(case.graph, meta=case.graph.meta + ((REPLAYED, replayed),))
+    graph = run_pipeline(graph, level=backend.default_opt_level, numerics="q8")
+    slots = backend.load(graph, backend.compile(graph, tmp_path), tmp_path, lambda w: case.weights[w.tensor]).plan.buffers
+    shared = {x: sorted(n for n, s in slots.items() if n != x and s == slots[x]) for x in case.inputs}
+    assert any(shared.values()) != replayed, shared
+    call = single_graph_runner(backend, case.graph, case.weights, case.inputs, {}, tmp_path / "suite", "q8")
+    call()
+    call()
+
+
 def test_tau_lists_take_values_and_ranges_within_the_block():
     assert cli._taus("1,4-6,16") == (1, 4, 5, 6, 16)
     with pytest.raises(argparse.ArgumentTypeError, match="must lie in 1..16"):

@@ -104,6 +104,27 @@ class CPrinter(Printer):
         return f"(({self.buffer_qualifier}{const}{element}*){p.name})"
 
 
+# f16 bits (in a uint) to f32 in OpenCL C: PoCL converts f16 one value at a time in
+# vload_half, in integer steps. Shared by the native kernels and TVM's loop nests on a CPU
+# device (backends/tvm/nest_targets.py), which call it by name.
+OPENCL_F16_TO_F32 = """
+#if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__))  /* every AVX-512 CPU has F16C */
+/* F16C's conversion by inline assembly (PoCL defines no __F16C__ for skylake-avx512), where
+   vload_half takes ~20 integer steps a value; a signalling NaN comes out quieted either way */
+static inline float f16_to_f32(uint h) {
+  float r;
+  __asm__("vmovd %1, %0; vcvtph2ps %0, %0" : "=x"(r) : "r"(h));
+  return r;
+}
+#else
+static inline float f16_to_f32(uint h) {
+  ushort s = h;
+  return vload_half(0, (__private const half*)&s);
+}
+#endif
+"""
+
+
 class OpenCLPrinter(CPrinter):
     name = "opencl"
     extension = "cl"
@@ -123,22 +144,7 @@ class OpenCLPrinter(CPrinter):
 static inline int dot4_i8(int a, int b, int acc) {
   return acc + (int)(char)a * (int)(char)b + (int)(char)(a >> 8) * (int)(char)(b >> 8)
        + (int)(char)(a >> 16) * (int)(char)(b >> 16) + (a >> 24) * (b >> 24);
-}
-#if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__))  /* every AVX-512 CPU has F16C */
-/* F16C's conversion by inline assembly (PoCL defines no __F16C__ for skylake-avx512), where
-   vload_half takes ~20 integer steps a value; a signalling NaN comes out quieted either way */
-static inline float f16_to_f32(uint h) {
-  float r;
-  __asm__("vmovd %1, %0; vcvtph2ps %0, %0" : "=x"(r) : "r"(h));
-  return r;
-}
-#else
-static inline float f16_to_f32(uint h) {
-  ushort s = h;
-  return vload_half(0, (__private const half*)&s);
-}
-#endif
-#if defined(__x86_64__) && defined(__AVX512F__)
+}""" + OPENCL_F16_TO_F32 + """#if defined(__x86_64__) && defined(__AVX512F__)
 static inline float16 f16x16_to_f32(ushort16 h) {
   float16 r;
   __asm__("vcvtph2ps %1, %0" : "=v"(r) : "v"(h));

@@ -105,7 +105,7 @@ def build_gpu(kind: str, kernels: Mapping[str, PrimKernel], nests: NestTarget | 
             n: [[k.name, list(k.buffers), list(k.ints), list(k.groups), list(k.local), k.when] for k in ks]
             for n, ks in launches.items()}}))
 
-    what = "device" + (f" nests {nests.name}" if nests else "")
+    what = "device" + (f" nests {nests.name}\n{nests.prelude}" if nests else "")
     data = json.loads(cached_build(_key(TARGETS[kind], kernels, what), build))
     launches = {n: [DeviceKernel(a, tuple(b), tuple(c), tuple(d), tuple(e), f) for a, b, c, d, e, f in ks]
                 for n, ks in data["launches"].items()}
@@ -181,7 +181,7 @@ def _lower_gpu(kind: str, kernels: Mapping[str, PrimKernel], nests: NestTarget |
     if not kernels:  # a graph of views only
         return "", {}
     _, device_target, device_mod, launches = scheduled_device(TARGETS[kind], kernels, nests=nests)
-    return codegen_build(device_mod, device_target).inspect_source(), launches
+    return (nests.prelude if nests else "") + codegen_build(device_mod, device_target).inspect_source(), launches
 
 
 def scheduled_device(config: Mapping, kernels: Mapping[str, PrimKernel], rewrite: Callable[[str], str] = str,

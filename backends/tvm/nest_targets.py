@@ -10,7 +10,8 @@ work-group index, and whose vector loads TVM only emits at offsets it can prove 
   gathered(n)      the same where the lanes' loads are bytes a block decoder picks (TVM's
                    OpenCL C makes an unaligned byte vector shifts of an int: unrolled there)
   SCRATCH          the storage scope of a task's small arrays (kept in registers)
-  f16(bits)        f32 of f16 bits (a uint16)
+  f16(bits)        f32 of f16 bits (a uint16): F16C on both (OpenCL C calls the native
+                   kernels' helper, which the target's `prelude` puts before TVM's source)
   prefetch(addr)   a hint to fetch the cache line at `addr` (an address_of)
   bytes16(w, at)   w[at .. at + 15] of a uint8 buffer as one uint8x16, at any alignment
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from ..kir.c import OPENCL_F16_TO_F32
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class NestTarget:
     f16: Callable[[Any], Any]
     prefetch: Callable[[Any], Any]
     bytes16: Callable[[Any, Any], Any]
+    prelude: str = ""  # target source the nests' primitives call, put before TVM's
 
     def parse(self, script: str):
         """The PrimFunc of a nest's script with this target's primitives."""
@@ -41,28 +45,6 @@ class NestTarget:
         return tvm.script.from_source(script, extra_vars=names)
 
 
-def _tir():
-    import tvm
-    return tvm.tirx
-
-
-class _TIROps:
-    """f16_bits_to_f32's expressions as TIR nodes."""
-    u32 = staticmethod(lambda v: _tir().const(v, "uint32"))
-    f32 = staticmethod(lambda v: _tir().const(v, "float32"))
-    eq = staticmethod(lambda a, b: _tir().EQ(a, b))
-    select = staticmethod(lambda c, a, b: _tir().Select(c, a, b))
-    as_f32 = staticmethod(lambda x: _tir().reinterpret("float32", x))
-    as_u32 = staticmethod(lambda x: _tir().reinterpret("uint32", x))
-
-
-def _f16_by_bits(bits):
-    import tvm
-
-    from .tir import f16_bits_to_f32
-    return f16_bits_to_f32(tvm.tirx.Cast("uint32", bits), _TIROps)
-
-
 def _f16_by_cpu(bits):  # F16C on x86
     import tvm
     return tvm.tirx.Cast("float32", tvm.tirx.reinterpret("float16", bits))
@@ -71,6 +53,11 @@ def _f16_by_cpu(bits):  # F16C on x86
 def _llvm_prefetch(address):
     import tvm
     return tvm.tirx.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 3, 1)
+
+
+def _f16_by_helper(bits):  # OpenCL C on a CPU: the native kernels' helper (F16C), prepended
+    import tvm
+    return tvm.tirx.call_pure_extern("float32", "f16_to_f32", tvm.tirx.Cast("uint32", bits))
 
 
 def _no_prefetch(address):
@@ -116,4 +103,5 @@ def _cl_vector(n):
 # TVM 0.27 makes a "global" buffer under 1 KiB inside a parallel loop a stack array of the
 # task, which LLVM keeps in registers ("local" would be a heap workspace per iteration)
 LLVM = NestTarget("llvm", _parallel, _vector, _vector, "global", _f16_by_cpu, _llvm_prefetch, _ramp_load)
-OPENCL_CPU = NestTarget("opencl-cpu", _work_groups, _cl_vector, _unrolled, "local", _f16_by_bits, _no_prefetch, _vload16)
+OPENCL_CPU = NestTarget("opencl-cpu", _work_groups, _cl_vector, _unrolled, "local", _f16_by_helper, _no_prefetch, _vload16,
+                        OPENCL_F16_TO_F32)

@@ -213,8 +213,8 @@ def f16_bits_to_f32(h, ops):
     """f32 value of the f16 bits in uint32 `h`, exact for every f16 (subnormals, inf and NaN
     included) and free of branches: the magnitude's bits moved to f32's places with the
     exponent rebased (by 112; inf and NaN to 255; a subnormal as if its exponent were 1,
-    then that leading 2^-14 subtracted, exactly), the sign put back. `ops` makes the
-    expressions: TVMScript text (half_to_float) or TIR nodes (nest_targets.py)."""
+    then that leading 2^-14 subtracted, exactly), the sign put back: the GPU bodies' f16
+    (a CPU's nests take F16C, nest_targets.py). `ops` makes the expressions (_TextOps)."""
     u = ops.u32
     e = h & u(0x7C00)
     bias = ops.select(ops.eq(e, u(0x7C00)), u(224 << 23), ops.select(ops.eq(e, u(0)), u(113 << 23), u(112 << 23)))

@@ -138,6 +138,7 @@ def test_opencl_on_a_cpu_takes_the_loop_nests_one_pass_size_per_row_count(tvm_op
     work-group, a Q8_0 half block's quants read as one 16-byte vector (nest_targets.py). A
     product of symbolic rows is one kernel per pass size, each launched under the row counts
     it serves (its host code's branch): exactly one runs for any count."""
+    from dflash_ir.backends.kir.c import OPENCL_F16_TO_F32
     from dflash_ir.backends.plan import Plan, compile_expr, symbol_param
     from dflash_ir.backends.tvm.cpu_schedules import PASSES
     from kernel_cases import case_graph
@@ -145,7 +146,10 @@ def test_opencl_on_a_cpu_takes_the_loop_nests_one_pass_size_per_row_count(tvm_op
     assert tvm_opencl.nests() is not None
     entry = tvm_opencl.compile(case_graph(CASES["matmul_q8_0_16_rows"].build()), tmp_path)
     assert entry["profile"] == "cpu"
-    assert "vload16(0, ((__global uchar *)w_ptr" in (tmp_path / entry["source"]).read_text()
+    source = (tmp_path / entry["source"]).read_text()
+    assert "vload16(0, ((__global uchar *)w_ptr" in source
+    # the block scales decoded by the native kernels' F16C helper, defined ahead of TVM's code
+    assert source.startswith(OPENCL_F16_TO_F32) and "f16_to_f32(" in source.split("__kernel", 1)[1]
     launches = [la for step in Plan.from_dict(entry["plan"]).steps for la in step.launches]
     assert len(launches) == len(PASSES) and all(la.when for la in launches)
     for rows in range(1, 40):

@@ -18,8 +18,9 @@ wide vectors (AVX-512 here: 16 f32 lanes, one 32-quant block is two vectors):
   verify block) each keeping LANES partial sums per column in registers, so a weight is
   read and decoded once per pass, not once per row; fewer rows take more columns per
   task (PASSES), one row (decode) eight, to keep several weight streams in flight;
-- each block read prefetches the same block of the next column group: the columns of a
-  pass are read interleaved, a pattern the hardware prefetchers do not follow.
+- in a pass of one or two rows (memory-bound) each block read prefetches the same block of
+  the next column group: the columns of a pass are read interleaved, a pattern the
+  hardware prefetchers do not follow.
 
 The partial sums are reduced across lanes at the end of each column (a halving fold). The
 interpreter and the native kernels sum in other orders: results agree to rounding
@@ -38,12 +39,18 @@ LANES = 16  # f32 lanes of one AVX-512 vector
 # One row takes 8 columns: a decode GEMV from memory ran at 16-19 GB/s with 4, 20-23 with 8
 # (8192 x 2048 and 12288 x 4096, alternated in one process; 16 no better)
 PASSES = ((8, 2), (4, 4), (2, 4), (1, 8))
+# passes of at most this many rows prefetch (a decode's, an expert's pairs): in the compute-
+# bound passes of more rows the prefetches cost OpenCL C on PoCL ~40% (16 x 8192 x 4096
+# product 7.5 -> 10.4 ms, 64 x 12288 x 4096 42 -> 63 ms) and gained llvm ~8% on the 16-row
+# product, nothing on the 64-row one (alternated kernels-suite runs, 2-core Zen 4)
+PREFETCH_ROWS = 2
 
 
 def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype: DType) -> list[str]:
     """Lines of one pass over `cols` weight columns (from row w_first + cg * cols of w) serving
-    `rows` rows: output row `row(r)` reads x's row `x_row(row(r))`. It prefetches the same
-    blocks `cols` rows on, the next column group's (the hardware prefetchers found no
+    `rows` rows: output row `row(r)` reads x's row `x_row(row(r))`. Up to PREFETCH_ROWS rows
+    it prefetches the same blocks `cols` rows on, the next column group's (the hardware
+    prefetchers found no
     stream in a pass's interleaved columns: a one-row Q8_0 product ran at 27, 22 and 12
     GB/s at K 8192, 2048 and 512, opencl at 35-37, 34-35 and 27-29; with the prefetches
     33-34, 29-33 and 20-26). Each row's partial sums are a small buffer of its own
@@ -80,7 +87,7 @@ def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype:
     lines += [f"for c in T.unroll({cols}):", f"    for l in vectorized({LANES}):"]
     lines += [f"        {acc(r)} = T.float32(0)" for r in range(rows)]
     lines += [f"for b in range({blocks}):", f"    for c in T.unroll({cols}):",
-              *_indent(_prefetch(dtype, f"{column} + {cols}", k), 2),
+              *_indent(_prefetch(dtype, f"{column} + {cols}", k) if rows <= PREFETCH_ROWS else [], 2),
               "        for h in T.unroll(2):",
               *_indent(share, 3),
               *_indent(decode, 3),

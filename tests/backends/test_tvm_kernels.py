@@ -7,6 +7,7 @@ import pytest
 
 from kernel_cases import CASES, TOL, compare
 from dflash_ir.ops.registry import all_ops
+from dflash_ir.dtypes import DType
 
 
 # TVM's products of Q8_0 x sum d_x·q_x times the weight in f32, not exact integer block sums
@@ -150,11 +151,23 @@ def test_opencl_on_a_cpu_takes_the_loop_nests_one_pass_size_per_row_count(tvm_op
     assert "vload16(0, ((__global uchar *)w_ptr" in source
     # the block scales decoded by the native kernels' F16C helper, defined ahead of TVM's code
     assert source.startswith(OPENCL_F16_TO_F32) and "f16_to_f32(" in source.split("__kernel", 1)[1]
+    assert "prefetch_line(" in source.split("__kernel", 1)[1]  # the one-row pass prefetches
+
     launches = [la for step in Plan.from_dict(entry["plan"]).steps for la in step.launches]
     assert len(launches) == len(PASSES) and all(la.when for la in launches)
     for rows in range(1, 40):
         ran = [la for la in launches if compile_expr(la.when)({symbol_param("T"): rows})]
         assert len(ran) == 1, rows
+
+
+@pytest.mark.parametrize("dtype", [DType.Q8_0, DType.Q4_K, DType.F16])
+def test_only_the_nests_passes_of_one_or_two_rows_prefetch(dtype):
+    """Prefetches pay in the memory-bound passes (a decode's one row, an expert's pairs) and
+    cost the compute-bound ones of more rows (cpu_schedules.PREFETCH_ROWS)."""
+    from dflash_ir.backends.tvm.cpu_schedules import PASSES, PREFETCH_ROWS, product_nest
+
+    for rows, _ in PASSES:
+        assert ("prefetch(" in product_nest(str(rows), 256, 512, dtype)) == (rows <= PREFETCH_ROWS), rows
 
 
 def test_llvm_delta_rule_of_no_rows_keeps_the_state(tvm, tmp_path):

@@ -50,10 +50,9 @@ def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype:
     """Lines of one pass over `cols` weight columns (from row w_first + cg * cols of w) serving
     `rows` rows: output row `row(r)` reads x's row `x_row(row(r))`. Up to PREFETCH_ROWS rows
     it prefetches the same blocks `cols` rows on, the next column group's (the hardware
-    prefetchers found no
-    stream in a pass's interleaved columns: a one-row Q8_0 product ran at 27, 22 and 12
-    GB/s at K 8192, 2048 and 512, opencl at 35-37, 34-35 and 27-29; with the prefetches
-    33-34, 29-33 and 20-26). Each row's partial sums are a small buffer of its own
+    prefetchers found no stream in a pass's interleaved columns: a one-row Q8_0 product
+    ran at 27, 22 and 12 GB/s at K 8192, 2048 and 512, opencl at 35-37, 34-35 and 27-29;
+    with the prefetches 33-34, 29-33 and 20-26). Each row's partial sums are a small buffer of its own
     (SCRATCH, nest_targets.py), rows unrolled here. w holds Q8_0 blocks (each f16 scale
     decoded once for its 16-lane halves, the quants of a half read as one 16-byte vector),
     f32, f16 or bf16 rows (a router's, a gate's), or another block type's, each weight

@@ -170,6 +170,29 @@ def test_only_the_nests_passes_of_one_or_two_rows_prefetch(dtype):
         assert ("prefetch(" in product_nest(str(rows), 256, 512, dtype)) == (rows <= PREFETCH_ROWS), rows
 
 
+def test_opencl_attention_keeps_its_output_slices_a_vector_array(tvm_opencl, tmp_path):
+    """The attention nest touches its output slices (out_part) only a vector at a time, so
+    TVM's OpenCL C declares them a vector array, which PoCL keeps in registers; copied a
+    whole slice (4 vectors) at a time they were a float array, rebuilt from 128-bit pieces
+    on every key (cpu_schedules.attention_nest: the 16-row attention 2.0x -> 1.25x)."""
+    from dflash_ir.benchmark.kernels import attention_case
+    from dflash_ir.passes.pipeline import run_pipeline
+
+    case = attention_case("attention", 2, 64, hq=4, hkv=2, d=64)  # 4 slices of 16 side by side
+    entry = tvm_opencl.compile(run_pipeline(case.graph, numerics="exact"), tmp_path)
+    source = (tmp_path / entry["source"]).read_text()
+    assert "float16 out_part_ptr[" in source
+
+
+def test_the_delta_rule_nest_unrolls_its_loops_over_a_rows_vectors():
+    """As loops, PoCL kept a row's vectors (kv, o_row, the state row) in memory: the 16-row
+    rule ran at 2.07x of opencl, unrolled 1.73x (cpu_schedules.delta_rule_nest)."""
+    from dflash_ir.backends.tvm.cpu_schedules import delta_rule_nest
+
+    nest = delta_rule_nest("T", 2, 4, 32, 64, False, 0.125)
+    assert "for c in range(" not in nest and "for c in T.unroll(4):" in nest
+
+
 def test_llvm_delta_rule_of_no_rows_keeps_the_state(tvm, tmp_path):
     """The rule's llvm nest walks the rows over the new state's buffer: with none to walk it
     still writes the old state there, as the interpreter's rule returns it."""

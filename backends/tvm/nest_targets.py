@@ -2,7 +2,8 @@
 when its TVMScript is parsed. The nests are written once, for a CPU, and run through TVM's
 llvm target (its runtime's threads) and through its OpenCL target on a CPU device (PoCL),
 whose C has no f16 type (no cl_khr_fp16) and no prefetch of its own (both come from
-helpers in the target's `prelude`, put before TVM's source), whose parallel loop is the
+helpers in the target's `prelude`, put before TVM's source, as do 16-lane float loads and
+stores faster than PoCL's), whose parallel loop is the
 work-group index, and whose vector loads TVM only emits at offsets it can prove aligned
 (Q8_0's quants sit 2 bytes into 34-byte blocks). On PoCL the F16C helper and the prefetches
 took the decode GEMVs from ~2.0x of the native kernels to 1.2-1.45x and the 35B MoE from
@@ -106,10 +107,30 @@ def _cl_vector(n):
 # TVM 0.27 makes a "global" buffer under 1 KiB inside a parallel loop a stack array of the
 # task, which LLVM keeps in registers ("local" would be a heap workspace per iteration)
 LLVM = NestTarget("llvm", _parallel, _vector, _vector, "global", _f16_by_cpu, _llvm_prefetch, _ramp_load)
+# PoCL's vload16 / vstore16 of floats move a vector in 128-bit pieces, and a row stored so
+# then read back (the delta rule's state) stalls on store forwarding: the nests' float
+# vectors are read and written as unaligned 16-lane values instead (clang's aligned(4)
+# vector type); other element types keep the built-ins (overloads that forward to them,
+# defined before the names are taken over). tvm-opencl's 16-row delta rule went from
+# 1.9-2.1x of opencl to 0.9x (alternated)
+def _opencl_vectors() -> str:
+    def overloads(t: str, load: str, store: str) -> list[str]:
+        return [f"static inline __attribute__((overloadable)) {t}16 nest_vload16(size_t o, const {space} {t}* p) "
+                f"{{ return {load.format(space=space)}; }}\n"
+                f"static inline __attribute__((overloadable)) void nest_vstore16({t}16 v, size_t o, {space} {t}* p) "
+                f"{{ {store.format(space=space)}; }}" for space in ("__global", "__private")]
+    lines = ["typedef float float16_u __attribute__((ext_vector_type(16), aligned(4)));",
+             *overloads("float", "*(const {space} float16_u*)(p + 16 * o)", "*({space} float16_u*)(p + 16 * o) = v")]
+    for t in ("char", "uchar", "short", "ushort", "int", "uint", "long", "ulong"):
+        lines += overloads(t, "vload16(o, p)", "vstore16(v, o, p)")
+    return "\n".join(["", *lines, "#undef vload16", "#undef vstore16", "#define vload16 nest_vload16",
+                      "#define vstore16 nest_vstore16", ""])
+
+
 OPENCL_CPU = NestTarget("opencl-cpu", _work_groups, _cl_vector, _unrolled, "local", _f16_by_helper, _cl_prefetch,
                         _vload16, OPENCL_F16_TO_F32 + """
 static inline int prefetch_line(const __global void* p) {
   __builtin_prefetch(p);
   return 0;
 }
-""")
+""" + _opencl_vectors())

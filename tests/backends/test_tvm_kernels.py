@@ -152,6 +152,9 @@ def test_opencl_on_a_cpu_takes_the_loop_nests_one_pass_size_per_row_count(tvm_op
     # the block scales decoded by the native kernels' F16C helper, defined ahead of TVM's code
     assert source.startswith(OPENCL_F16_TO_F32) and "f16_to_f32(" in source.split("__kernel", 1)[1]
     assert "prefetch_line(" in source.split("__kernel", 1)[1]  # the one-row pass prefetches
+    # 16-lane float loads and stores are plain vector accesses, not PoCL's 128-bit pieces
+    prelude = source.split("__kernel", 1)[0]
+    assert "*(const __global float16_u*)(p + 16 * o)" in prelude and "#define vstore16 nest_vstore16" in prelude
 
     launches = [la for step in Plan.from_dict(entry["plan"]).steps for la in step.launches]
     assert len(launches) == len(PASSES) and all(la.when for la in launches)

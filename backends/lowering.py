@@ -27,7 +27,7 @@ and 0 (a loop) for lavapipe, which scalarises the 16-lane vectors (minutes per k
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph, Node, Value
@@ -116,6 +116,14 @@ class NodeCtxBase:
         child.launches, child.temps = self.launches, self.temps
         self._l.builder(op, self.index)(child)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def once(self, key, make: Callable[[], Any]) -> Any:
+        """make()'s result, made once per node and key: the parts a fused op lowers as share
+        it (a fused MoE's three expert products, one sort of their pairs)."""
+        shared = self._l.shared
+        if (self.index, key) not in shared:
+            shared[self.index, key] = make()
+        return shared[self.index, key]
 
     def alias(self, out: Value, of: Value) -> None:
         """`out` is a view of `of`'s buffer (same bytes, another shape)."""
@@ -238,6 +246,7 @@ class Lowering:
         self.input_names = {v.name for v in graph.inputs} | {s.value.name for s in graph.states}
         self.weight_names = {w.value.name for w in graph.weights}
         self.live = Liveness(graph)
+        self.shared: dict[tuple, Any] = {}  # NodeCtxBase.once
 
     def builder(self, op: str, index: int) -> Callable:
         builders = self.ctx_class.builders()

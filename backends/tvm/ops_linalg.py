@@ -7,6 +7,7 @@ cpu_schedules.py's loop nests."""
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
+from dflash_ir.ir import Value
 from dflash_ir.ops.specialised import OPS
 from dflash_ir.types import TensorType
 
@@ -106,9 +107,12 @@ def expert_matmul(ctx: TVMNodeCtx) -> None:
     rows = prod(ids.type.shape)
     if (ctx.profile == "cpu" and w.type.dtype is DType.Q8_0 and x.type.dtype is DType.F32
             and all(isinstance(d, int) for d in (experts, n, k))):
-        count, order = ctx.temp(TensorType(DType.I32, (experts + 2,))), ctx.temp(TensorType(DType.I32, ids.type.shape))
-        ctx.sequential("expert_order", [("ids", ids, False), ("count", count, True), ("order", order, True)], [],
-                       expert_order(rows, experts))
+        def sort() -> tuple[Value, Value]:
+            count, order = ctx.temp(TensorType(DType.I32, (experts + 2,))), ctx.temp(TensorType(DType.I32, ids.type.shape))
+            ctx.sequential("expert_order", [("ids", ids, False), ("count", count, True), ("order", order, True)], [],
+                           expert_order(rows, experts))
+            return count, order
+        count, order = ctx.once(("expert_order", ids.name), sort)  # a fused MoE's products share it
         nest = expert_q8_product(n, k, experts, slots, x.type.rank == 2)
         ctx.kernel("expert_matmul", [("x", x, False), ("w", w, False), ("count", count, False), ("order", order, False),
                                      ("out", out, True)], nest, cpu_body=nest)

@@ -29,6 +29,25 @@ def host_cpu_flags() -> frozenset[str]:
     return frozenset(w for line in text.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split())
 
 
+def host_vnni() -> frozenset[str]:
+    """{"avx512_vnni"} where the host CPU has it (and AVX-512F, for the registers) and
+    DFLASH_IR_VNNI is not 0: what kernels running on this CPU may use beyond a compiler's
+    target (lowering.ISA_EXTENSIONS)."""
+    if os.environ.get("DFLASH_IR_VNNI") == "0":
+        return frozenset()
+    return frozenset({"avx512_vnni"}) if {"avx512f", "avx512_vnni"} <= host_cpu_flags() else frozenset()
+
+
+def require_isa(entry: Mapping[str, Any], artifact_dir: Path, kernels: str) -> None:
+    """Refuse a manifest entry whose `kernels` use an extension (`isa`) this CPU lacks."""
+    from dflash_ir.errors import ArtifactError
+
+    missing = sorted(set(entry.get("isa", ())) - host_cpu_flags())
+    if missing:
+        raise ArtifactError(f"{artifact_dir}: the {kernels} were compiled for a CPU with {', '.join(missing)}, "
+                            f"which this CPU lacks (/proc/cpuinfo); recompile here (or with DFLASH_IR_VNNI=0)")
+
+
 class BackendUnavailable(RuntimeError):
     """The backend cannot run here; the message says why and what would fix it."""
 

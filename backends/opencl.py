@@ -39,9 +39,8 @@ import numpy as np
 from dflash_ir.integrity import artifact_file
 from dflash_ir.ir import Graph
 
-from dflash_ir.errors import ArtifactError
 
-from .base import BackendUnavailable, host_cpu_flags, register_backend
+from .base import BackendUnavailable, host_vnni, register_backend, require_isa
 from .compiled import CompiledBackend
 from .kir.build import FUNCTIONS
 from .kir.c import PRINTERS
@@ -196,12 +195,11 @@ class OpenCLBackend(CompiledBackend):
         """The extensions kernels may reach beyond the device compiler's target: avx512_vnni on
         a PoCL CPU device whose host has it (and AVX-512F, for the registers), unless
         DFLASH_IR_VNNI=0."""
-        if os.environ.get("DFLASH_IR_VNNI") == "0" or self.unavailable_reason() or not self.device_is_cpu():
+        if self.unavailable_reason() or not self.device_is_cpu():
             return frozenset()
         if "Portable Computing Language" not in _context()[2].platform.name:
             return frozenset()
-        flags = host_cpu_flags()
-        return frozenset({"avx512_vnni"}) if {"avx512f", "avx512_vnni"} <= flags else frozenset()
+        return host_vnni()
 
     def device_numerics(self) -> str:
         """q8 on a CPU whose tiles sum Q8_0 activations with VNNI (`isa`): its products do a
@@ -230,11 +228,7 @@ class OpenCLBackend(CompiledBackend):
                 "plan": plan.to_dict()}
 
     def device_for(self, entry: Mapping[str, Any], artifact_dir: Path) -> CLDevice:
-        missing = sorted(set(entry.get("isa", ())) - host_cpu_flags())
-        if missing:
-            raise ArtifactError(f"{artifact_dir}: the OpenCL kernels were compiled for a CPU with "
-                                f"{', '.join(missing)}, which this CPU lacks (/proc/cpuinfo); recompile here "
-                                f"(or with DFLASH_IR_VNNI=0)")
+        require_isa(entry, artifact_dir, "OpenCL kernels")
         def source(name: str) -> str:
             return artifact_file(artifact_dir, f"{entry['sources']}/{name}.cl").read_text()
 

@@ -125,6 +125,35 @@ static inline float f16_to_f32(uint h) {
 """
 
 
+# 16 f16 bits to f32 at once: F16C where the device compiler targets AVX-512, else exact integer steps
+OPENCL_F16X16_TO_F32 = """#if defined(__x86_64__) && defined(__AVX512F__)
+static inline float16 f16x16_to_f32(ushort16 h) {
+  float16 r;
+  __asm__("vcvtph2ps %1, %0" : "=v"(r) : "v"(h));
+  return r;
+}
+#else
+static inline float16 f16x16_to_f32(ushort16 h) {
+  uint16 u = convert_uint16(h), e = u & 0x7c00u, m = u & 0x3ffu, s = (u & 0x8000u) << 16;
+  uint16 normal = s | (((u & 0x7fffu) + 0x1c000u) << 13);
+  uint16 small = s | as_uint16(convert_float16(m) * 0x1p-24f);
+  uint16 special = s | 0x7f800000u | (m << 13);
+  return as_float16(select(select(normal, small, e == 0u), special, e == 0x7c00u));
+}
+#endif
+"""
+# x86 VPDPBUSD with its word broadcast from memory (defined only where the compiler targets AVX-512)
+OPENCL_DPBUSD_AT = """#if defined(__x86_64__) && defined(__AVX512F__)
+/* VPDPBUSD by inline assembly: PoCL compiles for the CPU model the VM reports (skylake-avx512),
+   which has the registers but not the instruction; lowering uses it only where the host has it */
+static inline int16 dpbusd_at(int16 acc, int16 u, __global const uchar* s) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(__global const int*)s));
+  return acc;
+}
+#endif
+"""
+
+
 class OpenCLPrinter(CPrinter):
     name = "opencl"
     extension = "cl"
@@ -144,30 +173,7 @@ class OpenCLPrinter(CPrinter):
 static inline int dot4_i8(int a, int b, int acc) {
   return acc + (int)(char)a * (int)(char)b + (int)(char)(a >> 8) * (int)(char)(b >> 8)
        + (int)(char)(a >> 16) * (int)(char)(b >> 16) + (a >> 24) * (b >> 24);
-}""" + OPENCL_F16_TO_F32 + """#if defined(__x86_64__) && defined(__AVX512F__)
-static inline float16 f16x16_to_f32(ushort16 h) {
-  float16 r;
-  __asm__("vcvtph2ps %1, %0" : "=v"(r) : "v"(h));
-  return r;
-}
-#else
-static inline float16 f16x16_to_f32(ushort16 h) {
-  uint16 u = convert_uint16(h), e = u & 0x7c00u, m = u & 0x3ffu, s = (u & 0x8000u) << 16;
-  uint16 normal = s | (((u & 0x7fffu) + 0x1c000u) << 13);
-  uint16 small = s | as_uint16(convert_float16(m) * 0x1p-24f);
-  uint16 special = s | 0x7f800000u | (m << 13);
-  return as_float16(select(select(normal, small, e == 0u), special, e == 0x7c00u));
-}
-#endif
-#if defined(__x86_64__) && defined(__AVX512F__)
-/* VPDPBUSD by inline assembly: PoCL compiles for the CPU model the VM reports (skylake-avx512),
-   which has the registers but not the instruction; lowering uses it only where the host has it */
-static inline int16 dpbusd_at(int16 acc, int16 u, __global const uchar* s) {
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(__global const int*)s));
-  return acc;
-}
-#endif
-static inline float vsum2(float2 a) { return a.x + a.y; }
+}""" + OPENCL_F16_TO_F32 + OPENCL_F16X16_TO_F32 + OPENCL_DPBUSD_AT + """static inline float vsum2(float2 a) { return a.x + a.y; }
 static inline float vsum4(float4 a) { return vsum2(a.lo + a.hi); }
 static inline float vsum8(float8 a) { return vsum4(a.lo + a.hi); }
 static inline float vsum16(float16 a) { return vsum8(a.lo + a.hi); }

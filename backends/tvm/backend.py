@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from dflash_ir.ir import Graph
 from dflash_ir.program import WeightLoader
 
-from ..base import Backend, BackendUnavailable, register_backend
+from ..base import Backend, BackendUnavailable, host_vnni, register_backend, require_isa
 from ..plan import Launch, Plan, Step, compile_expr, contracts_of
 from ..runner import DeviceProgram, Resident
 from . import version
@@ -65,7 +65,7 @@ def _replan(plan: Plan, expand: Callable[[Launch], Iterable[Launch]]) -> Plan:
     """`plan` with every launch replaced by those `expand` makes of it (contracts made anew)."""
     steps = [Step(s.node, tuple(l for launch in s.launches for l in expand(launch)), s.constant, s.temps)
              for s in plan.steps]
-    return Plan(plan.graph, {}, steps, dict(plan.aliases), dict(plan.temps), list(plan.checks),
+    return Plan(plan.graph, {}, steps, dict(plan.aliases), dict(plan.temps), list(plan.checks), dict(plan.packs),
                 slots=list(plan.slots), buffers=dict(plan.buffers),
                 contracts=contracts_of(steps, plan.extents.__getitem__), extents=dict(plan.extents))
 
@@ -107,8 +107,13 @@ class TVMBackend(Backend):
     def check_entry(self, entry: Mapping[str, Any]) -> None:
         """Refuse an entry this installation cannot load (device source needs no TVM: nothing to check)."""
 
+    def isa(self) -> frozenset[str]:
+        """The extensions the loop nests may use (the Q8_0 x products' VPDPBUSD): none on a GPU."""
+        return frozenset()
+
     def load(self, graph: Graph, entry: Mapping[str, Any], artifact_dir: Path, weights: WeightLoader) -> DeviceProgram:
         self.check_entry(entry)
+        require_isa(entry, artifact_dir, f"{self.name} kernels")
         self.require()
         device = self.device_for(entry, Path(artifact_dir))
         return DeviceProgram(graph, Plan.from_dict(entry["plan"]), device, weights, self._resident)
@@ -129,7 +134,8 @@ class TVMLLVMBackend(TVMBackend):
         from .build import host_llvm
 
         self.require_tvm()
-        plan, kernels = lower(graph, "cpu")
+        isa = self.isa()
+        plan, kernels = lower(graph, "cpu", isa)
         tuned = []
         if self.tune_s is not None:  # one budget for every program this backend compiles
             self._tune_until = self._tune_until or time.monotonic() + self.tune_s
@@ -144,7 +150,8 @@ class TVMLLVMBackend(TVMBackend):
             env = {SYMBOL: t.rows}
             table[t.name] = {"params": [[p.dtype, str(compile_expr(p.size)(env))] for p in kernels[t.kernel].params],
                              "ints": []}
-        entry = {"tvm": self.pin(), "library": str(path.relative_to(out_dir)), "kernels": table, "plan": plan.to_dict()}
+        entry = {"tvm": self.pin(), "library": str(path.relative_to(out_dir)), "kernels": table, "isa": sorted(isa),
+                 "plan": plan.to_dict()}
         if tuned:
             records = json.dumps([t.record for t in tuned], sort_keys=True)
             entry["tuning"] = str(_write(out_dir / "kernels" / f"tvm-llvm-tuning-{digest(records)}.json",
@@ -155,6 +162,9 @@ class TVMLLVMBackend(TVMBackend):
         from .build import host_llvm
 
         return {"version": version.PINNED, "target": dict(host_llvm())}
+
+    def isa(self) -> frozenset[str]:
+        return host_vnni()
 
     def check_entry(self, entry: Mapping[str, Any]) -> None:
         """The same TVM, and this CPU: the library's vector code is for the CPU it was built on."""
@@ -188,15 +198,15 @@ class TVMGPUBackend(TVMBackend):
 
     def compile(self, graph: Graph, out_dir: Path) -> dict[str, Any]:
         self.require_tvm()
-        nests = self.nests()
-        plan, kernels = lower(graph, "cpu" if nests else "gpu")
+        nests, isa = self.nests(), self.isa()
+        plan, kernels = lower(graph, "cpu" if nests else "gpu", isa)
         source, launches = build_gpu(self.target, kernels, nests)
         path = Path(out_dir) / "kernels" / f"tvm-{self.target}-{digest(source)}.{self.extension}"
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             path.write_text(source)
         files = self.build_files(source, path)
-        return {"tvm": self.pin(), "source": str(path.relative_to(out_dir)), **files,
+        return {"tvm": self.pin(), "source": str(path.relative_to(out_dir)), **files, "isa": sorted(isa),
                 "profile": "cpu" if nests else "gpu", "plan": gpu_plan(plan, launches).to_dict()}
 
     def nests(self) -> NestTarget | None:
@@ -221,6 +231,12 @@ class TVMOpenCLBackend(TVMGPUBackend):
         the llvm target's loop nests, a task per work-group: dlight's GPU schedules ran 12-141x
         behind the native kernels there."""
         return OPENCL_CPU if self.profile() == "cpu" else None
+
+    def isa(self) -> frozenset[str]:
+        """The native backend's on a CPU device (PoCL on a host with VNNI), where the nests run."""
+        from ..base import get_backend
+
+        return get_backend(self.native).isa() if self.nests() else frozenset()
 
     def build_files(self, source: str, path: Path) -> dict[str, Any]:
         if source and self.unavailable_reason() is None:

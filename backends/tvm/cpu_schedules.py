@@ -1,6 +1,6 @@
 """Hand-scheduled TensorIR for CPUs: the products of every block type and of f32, f16 and
-bf16 weights, the Q8_0 expert products, attention and the gated delta rule as explicit loop
-nests (dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native
+bf16 weights, the Q8_0 expert products, those of a Q8_0 x over Q8_0 weights (integer block
+sums, q8_product_nest), attention and the gated delta rule as explicit loop nests (dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native
 OpenCL kernels here), for the llvm target and for OpenCL C on a CPU device: what differs
 between the two (the task loop, f16, prefetches, ...) is a primitive of nest_targets.py.
 
@@ -127,7 +127,108 @@ def product_nest(m: str, n: Dim, k: Dim, dtype: DType) -> str | None:
     multiple of 32)."""
     if not isinstance(n, int) or not isinstance(k, int) or k % 32:
         return None
-    variants = [(rows, _nest(rows, _widest(cols, n), m, n, k, dtype)) for rows, cols in PASSES]
+    return _by_rows(m, [(rows, _nest(rows, _widest(cols, n), m, n, k, dtype)) for rows, cols in PASSES])
+
+
+# (rows, groups of 16 columns) of the passes of Q8_0 x over Q8_0 weights: rows x groups int32
+# block sums and f32 partial sums in registers, as the native VNNI tiles (1x4 .. 8x2); a task
+# takes Q8_TASK_GROUPS groups (x's block sums, taken once per task and pass, serve them all)
+Q8_PASSES = ((8, 2), (4, 2), (2, 4), (1, 4))
+Q8_TASK_GROUPS = 8
+
+
+def q8_product_nest(m: str, n: Dim, k: Dim, vnni: bool) -> str | None:
+    """PrimFunc body computing out[m, n] = x[m, k] @ w[n, k]ᵀ for Q8_0 x (quantize_q8_0's
+    blocks) and a Q8_0 w packed by quant.pack_q8_0_cols16 with dp4 (16 columns side by side,
+    four input indices per 32-bit lane, each quant the unsigned byte w + 128), or None for
+    symbolic N or K. Each block's sum is an exact integer, Σ (w + 128) q started from -128 Σq:
+    four products a lane and instruction with VNNI (`dpbusd`, x's word broadcast from
+    memory), else the same integers in 32-bit lanes; then f32(sum) times both scales is added
+    to the column's partial sum, as the native tiles do (backends/kernels/linalg.py)."""
+    if not isinstance(n, int) or not isinstance(k, int) or k % 32:
+        return None
+    groups = -(-n // LANES)
+    task = _widest(Q8_TASK_GROUPS, groups)
+    variants = []
+    for rows, most in Q8_PASSES:
+        cols = min(most, task)
+        first = f"T.min(r0 * {rows}, {m} - {rows})"
+        variants.append((rows, [f"for t in tasks({groups // task}):", *_indent(_q8_scratch(rows, cols, k), 1),
+                                f"    for r0 in range(({m} + {rows - 1}) // {rows}):",
+                                *_indent(_q8_pass(rows, cols, task // cols, n, k, lambda r: f"{first} + {r}",
+                                                  lambda row: row, f"t * {task} + cc * {cols} + j", "", vnni), 2)]))
+    return _by_rows(m, variants)
+
+
+def _q8_scratch(rows: int, cols: int, k: int) -> list[str]:
+    """The task's arrays for _q8_pass of up to `rows` rows over `cols` groups."""
+    return [f'xs = T.alloc_buffer(({rows * (k // 32)},), "int32", scope=SCRATCH)',
+            f'xsum = T.alloc_buffer(({LANES},), "int32", scope=SCRATCH)',
+            f'words = T.alloc_buffer(({cols * LANES},), "int32", scope=SCRATCH)',
+            f'scale = T.alloc_buffer(({cols * LANES},), "float32", scope=SCRATCH)',
+            f'dx = T.alloc_buffer(({rows},), "float32", scope=SCRATCH)',
+            *[f'dot{r} = T.alloc_buffer(({cols * LANES},), "int32", scope=SCRATCH)' for r in range(rows)],
+            *[f'acc{r} = T.alloc_buffer(({cols * LANES},), "float32", scope=SCRATCH)' for r in range(rows)]]
+
+
+def _q8_pass(rows: int, cols: int, runs: int, n: int, k: int, row, x_row, group: str, w_first: str,
+             vnni: bool) -> list[str]:
+    """Lines of `runs` runs (cc) of `cols` groups of 16 columns serving `rows` rows: output row
+    row(r) reads x's row x_row(row(r)); `group` is the output group of a run's j-th (an
+    expression of cc and j), w_first + group its place in the pack. x's block sums are taken
+    once for all the runs."""
+    blocks = k // 32
+    xb = lambda r: f"(({x_row(row(r))}) * {blocks} + b) * 34"  # noqa: E731  x's block b of pass row r
+    wb = f"(({w_first}{group}) * {blocks} + b) * 544"  # w's block b of group j
+    vec = lambda buf, j: f"{buf}[T.Ramp({j} * {LANES}, 1, {LANES})]"  # noqa: E731
+
+    def dot(r: int) -> list[str]:
+        at = f"{xb(r)} + 2 + k4 * 4"
+        if vnni:
+            return [f"{vec(f'dot{r}', 'j')} = dpbusd({vec(f'dot{r}', 'j')}, {vec('words', 'j')}, x, {at})"]
+        terms = " + ".join(f"T.bitwise_and(T.shift_right(words[j * {LANES} + l], {8 * i}), 255) * "
+                           f'T.Cast("int32", T.reinterpret("int8", x[{at} + {i}]))' for i in range(4))
+        return [f"for l in vectorized({LANES}):", f"    dot{r}[j * {LANES} + l] = dot{r}[j * {LANES} + l] + {terms}"]
+
+    def quants(at: str) -> str:
+        return f'T.Cast("int32x{LANES}", T.reinterpret("int8x{LANES}", bytes16(x, {at})))'
+
+    def store(r: int) -> list[str]:
+        at = f"({row(r)}) * {n} + ({group}) * {LANES} + l"
+        if n % LANES:  # the last group's padding columns are not stored
+            return [f"for l in range({LANES}):", f"    if ({group}) * {LANES} + l < {n}:",
+                    f"        out[{at}] = acc{r}[j * {LANES} + l]"]
+        return [f"for l in vectorized({LANES}):", f"    out[{at}] = acc{r}[j * {LANES} + l]"]
+
+    lines = [f"for b in range({blocks}):"]
+    for r in range(rows):  # -128 Σq of each block: where its sums start
+        lines += [f"    {vec('xsum', 0)} = {quants(f'{xb(r)} + 2')} + {quants(f'{xb(r)} + 18')}",
+                  *_indent(_vector_fold("xsum", LANES, "+"), 1),
+                  f"    xs[{r * blocks} + b] = xsum[0] * -128"]
+    lines += [f"for cc in range({runs}):",
+              *[line for r in range(rows) for line in (f"    for l in vectorized({cols * LANES}):",
+                                                       f"        acc{r}[l] = T.float32(0)")],
+              f"    for b in range({blocks}):",
+              f"        for j in T.unroll({cols}):",
+              f'            {vec("scale", "j")} = f16x16(load_as("uint16x{LANES}", w, {wb}))']
+    for r in range(rows):
+        lines += [f'        dx[{r}] = f16(T.bitwise_or(T.Cast("uint16", x[{xb(r)}]), '
+                  f'T.shift_left(T.Cast("uint16", x[{xb(r)} + 1]), T.uint16(8))))',
+                  f"        for l in vectorized({cols * LANES}):", f"            dot{r}[l] = xs[{r * blocks} + b]"]
+    lines += ["        for k4 in T.unroll(8):", f"            for j in T.unroll({cols}):",
+              f'                {vec("words", "j")} = load_as("int32x{LANES}", w, {wb} + 32 + k4 * {4 * LANES})']
+    for r in range(rows):
+        lines += [f"            for j in T.unroll({cols}):", *_indent(dot(r), 4)]
+    for r in range(rows):
+        lines += [f"        for l in vectorized({cols * LANES}):",
+                  f'            acc{r}[l] = acc{r}[l] + T.Cast("float32", dot{r}[l]) * (scale[l] * dx[{r}])']
+    for r in range(rows):
+        lines += [f"    for j in T.unroll({cols}):", *_indent(store(r), 2)]
+    return lines
+
+
+def _by_rows(m: str, variants: list[tuple[int, list[str]]]) -> str:
+    """A body choosing among nests for passes of decreasing rows: the one of the most rows that m fills."""
     if m.isdigit():  # rows fixed at compile time
         return "\n".join(_indent(next(nest for rows, nest in variants if int(m) >= rows), 1)) + "\n"
     lines = []
@@ -165,14 +266,40 @@ def expert_q8_product(n: int, k: int, experts: int, slots: str, per_token: bool)
     wrong rows and crashed.)"""
     cols = _widest(EXPERT_PASSES[0][1], n)
     x_row = (lambda row: f"({row}) // {slots}") if per_token else (lambda row: row)
-    lines = [f"for cg in tasks({n // cols}):", '    span = T.alloc_buffer((2,), "int32", scope=SCRATCH)',
+    return _expert_walk(n // cols, experts, [], [rows for rows, _ in EXPERT_PASSES],
+                        lambda rows, row: _pass(rows, cols, n, k, row, x_row, f"e * {n} + ", DType.Q8_0))
+
+
+def _expert_walk(tasks: int, experts: int, scratch: list[str], passes: list[int], pass_lines) -> str:
+    """PrimFunc body: each of `tasks` tasks (cg) walks every expert's pairs (e; expert_order's
+    count and order) in passes of each size in `passes` as long as it has that many left;
+    pass_lines(rows, row) are a pass's lines, row(r) its r-th pair."""
+    lines = [f"for cg in tasks({tasks}):", '    span = T.alloc_buffer((2,), "int32", scope=SCRATCH)',
+             *_indent(scratch, 1),
              f"    for e in range({experts}):", "        span[0] = count[e]", "        span[1] = count[e + 1]"]
-    for i, (rows, _) in enumerate(EXPERT_PASSES):
+    for i, rows in enumerate(passes):
         lines += [f"        for q{i} in range((span[1] - span[0]) // {rows}):",
-                  *_indent(_pass(rows, cols, n, k, lambda r, i=i, rows=rows: f"order[span[0] + q{i} * {rows} + {r}]",
-                                 x_row, f"e * {n} + ", DType.Q8_0), 3),
+                  *_indent(pass_lines(rows, lambda r, i=i, rows=rows: f"order[span[0] + q{i} * {rows} + {r}]"), 3),
                   f"        span[0] = span[0] + (span[1] - span[0]) // {rows} * {rows}"]
     return "\n".join(_indent(lines, 1)) + "\n"
+
+
+# (rows, groups of 16 columns) of the expert passes over Q8_0 x: an expert's rows in pairs,
+# then one, as the f32 x passes
+Q8_EXPERT_PASSES = ((2, 4), (1, 4))
+
+
+def expert_q8_x_product(n: int, k: int, experts: int, slots: str, per_token: bool, vnni: bool) -> str:
+    """expert_q8_product for Q8_0 x, the experts packed as quant.pack_q8_0_cols16 with dp4
+    packs a bank (expert by expert, each padded to whole groups): each pass as
+    q8_product_nest's, on an expert's pairs."""
+    groups = -(-n // LANES)
+    cols = _widest(Q8_EXPERT_PASSES[0][1], groups)
+    x_row = (lambda row: f"({row}) // {slots}") if per_token else (lambda row: row)
+    return _expert_walk(groups // cols, experts, _q8_scratch(Q8_EXPERT_PASSES[0][0], cols, k),
+                        [rows for rows, _ in Q8_EXPERT_PASSES],
+                        lambda rows, row: _q8_pass(rows, cols, 1, n, k, row, x_row, f"cg * {cols} + j", f"e * {groups} + ",
+                                                   vnni))
 
 
 def _widest(most: int, n: int) -> int:

@@ -32,7 +32,9 @@ class TVMNodeCtx(NodeCtxBase):
         return TVM_LOWERINGS
 
     def param(self, name: str, v: Value, writes: bool = False) -> Param:
-        return Param(name, TVM_DTYPES[v.type.dtype], storage_size(v), writes)
+        # a pack holds its layout's bytes (rows padded to whole groups)
+        size = str(self._l.extent(v.name)[1]) if v.name in self._l.plan.packs else storage_size(v)
+        return Param(name, TVM_DTYPES[v.type.dtype], size, writes)
 
     def kernel(self, op: str, buffers: Sequence[tuple[str, Value, bool]], body: str, *, sequential: bool = False,
                cpu_body: str = "", noalias: bool = True) -> None:
@@ -59,10 +61,10 @@ def registered_ops() -> set[str]:
     return set(TVMNodeCtx.builders())
 
 
-def lower(graph: Graph, profile: str = "gpu") -> tuple[Plan, dict[str, PrimKernel]]:
+def lower(graph: Graph, profile: str = "gpu", isa: frozenset[str] = frozenset()) -> tuple[Plan, dict[str, PrimKernel]]:
     """The launch plan of `graph` and its PrimFuncs by name (LoweringError names a node without one).
     TVM schedules each PrimFunc per target later; `profile` "cpu" (the llvm target, OpenCL on
     a CPU device) takes the hand-written loop nests where an op has one in place of kernels
-    for dlight's rules."""
-    plan = Lowering(graph, profile, TVMNodeCtx).run()
+    for dlight's rules; `isa`: the extensions those may use (avx512_vnni: the Q8_0 x products)."""
+    plan = Lowering(graph, profile, TVMNodeCtx, isa=isa).run()
     return plan, plan.kernels

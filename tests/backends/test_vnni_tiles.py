@@ -115,9 +115,9 @@ def test_other_printers_refuse_the_vnni_tiles():
 
 
 def test_an_artifact_needing_vnni_is_refused_on_a_cpu_without_it(monkeypatch, tmp_path):
-    from dflash_ir.backends import opencl
+    from dflash_ir.backends import base, opencl
 
-    monkeypatch.setattr(opencl, "host_cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(base, "host_cpu_flags", lambda: frozenset({"avx512f"}))
     with pytest.raises(ArtifactError, match="avx512_vnni, which this CPU lacks"):
         opencl.OpenCLBackend().device_for({"isa": ["avx512_vnni"]}, tmp_path)
 

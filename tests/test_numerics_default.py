@@ -41,3 +41,24 @@ def test_opencl_defaults_to_q8_exactly_where_its_cpu_tiles_have_vnni(tiny_pair, 
     want = "q8" if vnni == "1" and pocl_cpu and host_vnni else "exact"
     assert opencl.default_numerics() == want
     assert _compile(tiny_pair, tmp_path / "out", "--backend", "opencl") == want
+
+
+@pytest.mark.parametrize("name", ["tvm-llvm", "tvm-opencl"])
+@pytest.mark.parametrize("vnni", ["1", "0"])
+def test_tvm_on_a_cpu_defaults_to_q8_exactly_where_its_nests_have_vnni(tiny_pair, tmp_path, monkeypatch, name, vnni):
+    """The TVM backends follow the same rule for their loop nests (tvm-opencl: where they run,
+    on a PoCL CPU device); their artifacts list the extension."""
+    backend = get_backend(name)
+    if backend.unavailable_reason():
+        pytest.skip(backend.unavailable_reason())
+    monkeypatch.delenv("DFLASH_IR_NUMERICS")
+    monkeypatch.delenv("DFLASH_IR_PROFILE", raising=False)
+    monkeypatch.setenv("DFLASH_IR_VNNI", vnni)
+    host_vnni = {"avx512f", "avx512_vnni"} <= host_cpu_flags()
+    nests_here = name == "tvm-llvm" or (backend.device_is_cpu() and "Portable Computing Language" in backend.device_description())
+    want = "q8" if vnni == "1" and host_vnni and nests_here else "exact"
+    assert backend.default_numerics() == want
+    out = tmp_path / "out"
+    assert _compile(tiny_pair, out, "--backend", name) == want
+    programs = yaml.safe_load((out / MANIFEST).read_text())["programs"]
+    assert all(p["backend"]["isa"] == (["avx512_vnni"] if want == "q8" else []) for p in programs.values())

@@ -56,23 +56,24 @@ def matmul(ctx: TVMNodeCtx) -> None:
     m = prod(x.type.shape[:-1])
     K = dim(k)
     product = ctx.temp(ctx.outs[0].type) if res else ctx.outs[0]  # then out = product + residual
-    nest = (q8_product_nest(m, n, k, "avx512_vnni" in ctx.isa) if ctx.profile == "cpu" and x.type.dtype is DType.Q8_0
-            and w.type.dtype is DType.Q8_0 else None)
-    if nest:  # integer block sums over the dp4 pack, as the native tiles
+    f32_nest = product_nest(m, n, k, w.type.dtype)  # the cpu profile's nest of an f32 x
+    q8_nest = (q8_product_nest(m, n, k, "avx512_vnni" in ctx.isa) if ctx.profile == "cpu" and x.type.dtype is DType.Q8_0
+               and w.type.dtype is DType.Q8_0 else None)
+    if q8_nest:  # integer block sums over the dp4 pack, as the native tiles
         packed = ctx.packed([w], "q8_0_cols16_dp4")
-        ctx.kernel("matmul_q8_0_q8_0", [("x", x, False), ("w", packed, False), ("out", product, True)], nest,
-                   cpu_body=nest)
+        ctx.kernel("matmul_q8_0_q8_0", [("x", x, False), ("w", packed, False), ("out", product, True)], q8_nest,
+                   cpu_body=q8_nest)
     elif x.type.dtype is DType.Q8_0 and w.type.dtype is DType.Q8_0:  # quants times both blocks' scales
         term = (f"{q8_quant('x', 'row', 'c', k)} * {q8_quant('w', 'col', 'c', k)} * "
                 f"{q8_scale('x', 'row', 'c // 32', k)} * {q8_scale('w', 'col', 'c // 32', k)}")
         _product(ctx, "matmul_q8_0_q8_0", [("x", x, False), ("w", w, False)], m, n, k, term, product)
-    elif x.type.dtype is DType.Q8_0:  # another block type's weight: x's values d_x * q
+    elif x.type.dtype is DType.Q8_0 and not (ctx.profile == "cpu" and f32_nest):  # x's values d_x * q
         term = f"{weight_at(DType.Q8_0, 'x', 'row', 'c', k)} * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
         _product(ctx, "matmul_q8_x", [("x", x, False), ("w", w, False)], m, n, k, term, product)
-    else:
+    else:  # on the cpu profile a Q8_0 x over another type is its values d_x * q first, for the f32 nest
+        x = ctx.sub("dequantize", x) if x.type.dtype is DType.Q8_0 else x
         term = f"x[row * {K} + c] * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
-        cpu = product_nest(m, n, k, w.type.dtype) or ""
-        _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product, cpu)
+        _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product, f32_nest or "")
     if res:
         _residual(ctx, product, res[0], m, n)
 

@@ -7,7 +7,7 @@ import pytest
 
 from kernel_cases import CASES, case_graph, compare
 
-UNSCHEDULED = "matmul_q4_0_q8_x_1_rows"  # no hand schedule (Q8_0 x over a 4-bit type): tunable
+UNSCHEDULED = "matmul_rank3_odd_k_T3"  # no hand schedule (K not a multiple of 32): tunable, 3 rows
 
 
 def test_tuned_plan_launches_each_specialisation_for_its_rows_only(tvm):
@@ -47,14 +47,14 @@ def test_tune_is_refused_for_a_backend_that_does_not_tune(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_tuning_records_are_written_reused_and_the_tuned_kernel_is_correct(tvm, tmp_path, monkeypatch):
-    """One MetaSchedule run (the case's single product at its one row): cache record and the
+    """One MetaSchedule run (the case's single product at its three rows): cache record and the
     artifact's copy; a second backend compiling the same graph runs no tuning; the tuned
     kernel (launched: the case has that row count) matches the interpreter."""
     from dflash_ir.backends.base import get_backend
     from dflash_ir.backends.tvm import tune
 
     monkeypatch.setenv("DFLASH_IR_TUNING_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(tune, "ROWS", (1,))
+    monkeypatch.setattr(tune, "ROWS", (3,))
     name = UNSCHEDULED
     graph = case_graph(CASES[name].build())
 
@@ -67,7 +67,7 @@ def test_tuning_records_are_written_reused_and_the_tuned_kernel_is_correct(tvm, 
     assert record["measured"] > 0 and record["script"] and record["records"]["database_tuning_record.json"]
     assert json.loads((tmp_path / "a" / entry["tuning"]).read_text()) == [record]
     launched = {l["kernel"]: l.get("when") for s in entry["plan"]["steps"] for l in s["launches"]}
-    assert launched[f"{record['kernel']}_rows1"] == "(n_T == 1)"
+    assert launched[f"{record['kernel']}_rows3"] == "(n_T == 3)"
 
     second = get_backend("tvm-llvm")
     second.tune_s = 600.0

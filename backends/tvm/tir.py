@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
@@ -160,12 +160,15 @@ def _block_of(dtype: DType, buf: str, row: str, col: str, k: Dim) -> "_BlockText
     return _BlockText(buf, f"(({row}) * {row_bytes} + ({col}) // {size} * {nbytes})")
 
 
-def sub_block(dtype: DType, buf: str, row: str, first: str, k: int):
+def sub_block(dtype: DType, buf: str, row: str, first: str, k: int, f16: Callable[[str], str] | None = None):
     """Elements first .. first + 15 of row `row` of `buf` (first a multiple of 16, so one
     sub-block of every block type holds them all: they share a scale and offset): (their
-    scale, their offset or None, code(lane) of element first + lane), as expressions."""
+    scale, their offset or None, code(lane) of element first + lane), as expressions.
+    `f16`: the text of f32 from f16 bits (a uint16) where not half_to_float's bit arithmetic
+    (the loop nests' F16C primitive)."""
     fmt = DECODERS[dtype]
     reader = _block_of(dtype, buf, row, first, k)
+    reader.half = f16 or half_to_float
     within = _IndexText(f"(({first}) % {dtype.block_size})")
     j = within >> (fmt.sub.bit_length() - 1)
     offset = fmt.offset(reader, j) if fmt.offset else None
@@ -177,12 +180,13 @@ class _BlockText:
 
     def __init__(self, buf: str, block: str):
         self.buf, self.block = buf, block
+        self.half: Callable[[str], str] = half_to_float  # f16 bits (text) to f32 (text)
 
     def u8(self, byte) -> _Text:
         return _Text(f'T.Cast("int32", {self.buf}[{self.block} + {byte}])')
 
     def f16(self, byte: int) -> _Text:
-        return _Text(half_to_float(_u16_at(self.buf, f"{self.block} + {byte}")))
+        return _Text(self.half(_u16_at(self.buf, f"{self.block} + {byte}")))
 
     @staticmethod
     def f32(x) -> _Text:

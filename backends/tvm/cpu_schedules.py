@@ -186,9 +186,13 @@ def _q8_pass(rows: int, cols: int, runs: int, n: int, k: int, row, x_row, group:
     expression of cc and j), w_first + group its place in the pack. x's block sums are taken
     once for all the runs."""
     blocks = k // 32
-    xb = lambda r: f"(({x_row(row(r))}) * {blocks} + b) * 34"  # noqa: E731  x's block b of pass row r
     wb = f"(({w_first}{group}) * {blocks} + b) * 544"  # w's block b of group j
-    vec = lambda buf, j: f"{buf}[T.Ramp({j} * {LANES}, 1, {LANES})]"  # noqa: E731
+
+    def xb(r: int) -> str:  # x's block b of pass row r
+        return f"(({x_row(row(r))}) * {blocks} + b) * 34"
+
+    def vec(buf: str, j) -> str:  # vector j of buf
+        return f"{buf}[T.Ramp({j} * {LANES}, 1, {LANES})]"
 
     def dot(r: int) -> list[str]:
         at = f"{xb(r)} + 2 + k4 * 4"

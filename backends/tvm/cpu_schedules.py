@@ -1,7 +1,7 @@
 """Hand-scheduled TensorIR for CPUs: the products of every block type and of f32, f16 and
 bf16 weights, the Q8_0 expert products, those of a Q8_0 x over Q8_0 weights (integer block
-sums, q8_product_nest), attention and the gated delta rule as explicit loop nests (dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native
-OpenCL kernels here), for the llvm target and for OpenCL C on a CPU device: what differs
+sums, q8_product_nest), attention and the gated delta rule as explicit loop nests (dlight's
+CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native OpenCL kernels here), for the llvm target and for OpenCL C on a CPU device: what differs
 between the two (the task loop, f16, prefetches, ...) is a primitive of nest_targets.py.
 
 The Q8_0 product:
@@ -32,7 +32,7 @@ from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 from dflash_ir.types import Dim
 
-from .tir import f32, sub_block, weight_at
+from .tir import f32, sub_block, u16_at, weight_at
 
 LANES = 16  # f32 lanes of one AVX-512 vector
 # (rows per pass, columns per task): a pass keeps rows x columns vectors of partial sums in
@@ -63,7 +63,7 @@ def _pass(rows: int, cols: int, n: int, k: int, row, x_row, w_first: str, dtype:
     share, per_block, weight = [], [], None
     if dtype is DType.Q8_0:  # the whole half at once: one scale times 16 quants
         at = f"({column}) * {blocks * 34} + b * 34"
-        scale = f'f16(T.bitwise_or(T.Cast("uint16", w[{at}]), T.shift_left(T.Cast("uint16", w[{at} + 1]), T.uint16(8))))'
+        scale = f"f16({u16_at('w', at)})"
         quants = f'T.Cast("float32x{LANES}", T.reinterpret("int8x{LANES}", bytes16(w, {at} + 2 + h * {LANES})))'
         decode = [f"wq[T.Ramp(0, 1, {LANES})] = T.Broadcast({scale}, {LANES}) * {quants}"]
     elif dtype is DType.F16:
@@ -224,8 +224,7 @@ def _q8_pass(rows: int, cols: int, runs: int, n: int, k: int, row, x_row, group:
               f"        for j in T.unroll({cols}):",
               f'            {vec("scale", "j")} = f16x16(load_as("uint16x{LANES}", w, {wb}))']
     for r in range(rows):
-        lines += [f'        dx[{r}] = f16(T.bitwise_or(T.Cast("uint16", x[{xb(r)}]), '
-                  f'T.shift_left(T.Cast("uint16", x[{xb(r)} + 1]), T.uint16(8))))',
+        lines += [f"        dx[{r}] = f16({u16_at('x', xb(r))})",
                   f"        for l in vectorized({cols * LANES}):", f"            dot{r}[l] = xs[{r * blocks} + b]"]
     lines += ["        for k4 in T.unroll(8):", f"            for j in T.unroll({cols}):",
               f'                {vec("words", "j")} = load_as("int32x{LANES}", w, {wb} + 32 + k4 * {4 * LANES})']

@@ -109,10 +109,10 @@ def q8_block(row: str, block: str, k: Dim) -> str:
 
 
 def q8_scale(buf: str, row: str, block: str, k: Dim) -> str:
-    return half_to_float(_u16_at(buf, q8_block(row, block, k)))
+    return half_to_float(u16_at(buf, q8_block(row, block, k)))
 
 
-def _u16_at(buf: str, at: str) -> str:
+def u16_at(buf: str, at: str) -> str:
     """The little-endian u16 at byte `at` of a uint8 buffer (blocks are not 2-byte aligned here)."""
     return f'T.bitwise_or(T.Cast("uint16", {buf}[{at}]), T.shift_left(T.Cast("uint16", {buf}[{at} + 1]), T.uint16(8)))'
 
@@ -153,11 +153,12 @@ class _IndexText(_Text):
         return super().__and__(o)
 
 
-def _block_of(dtype: DType, buf: str, row: str, col: str, k: Dim) -> "_BlockText":
+def _block_of(dtype: DType, buf: str, row: str, col: str, k: Dim,
+              half: Callable[[str], str] | None = None) -> "_BlockText":
     """The block decoders' reader over the block holding element (row, col) of `buf`."""
     size, nbytes = dtype.block_size, dtype.block_bytes
     row_bytes = k // size * nbytes if isinstance(k, int) else f"({dim(k)} // {size} * {nbytes})"
-    return _BlockText(buf, f"(({row}) * {row_bytes} + ({col}) // {size} * {nbytes})")
+    return _BlockText(buf, f"(({row}) * {row_bytes} + ({col}) // {size} * {nbytes})", half)
 
 
 def sub_block(dtype: DType, buf: str, row: str, first: str, k: int, f16: Callable[[str], str] | None = None):
@@ -167,8 +168,7 @@ def sub_block(dtype: DType, buf: str, row: str, first: str, k: int, f16: Callabl
     `f16`: the text of f32 from f16 bits (a uint16) where not half_to_float's bit arithmetic
     (the loop nests' F16C primitive)."""
     fmt = DECODERS[dtype]
-    reader = _block_of(dtype, buf, row, first, k)
-    reader.half = f16 or half_to_float
+    reader = _block_of(dtype, buf, row, first, k, f16)
     within = _IndexText(f"(({first}) % {dtype.block_size})")
     j = within >> (fmt.sub.bit_length() - 1)
     offset = fmt.offset(reader, j) if fmt.offset else None
@@ -178,15 +178,15 @@ def sub_block(dtype: DType, buf: str, row: str, first: str, k: int, f16: Callabl
 class _BlockText:
     """The block decoders' reader over the block at byte `block` of uint8 buffer `buf`."""
 
-    def __init__(self, buf: str, block: str):
+    def __init__(self, buf: str, block: str, half: Callable[[str], str] | None = None):
         self.buf, self.block = buf, block
-        self.half: Callable[[str], str] = half_to_float  # f16 bits (text) to f32 (text)
+        self.half = half or half_to_float  # f16 bits (text) to f32 (text)
 
     def u8(self, byte) -> _Text:
         return _Text(f'T.Cast("int32", {self.buf}[{self.block} + {byte}])')
 
     def f16(self, byte: int) -> _Text:
-        return _Text(self.half(_u16_at(self.buf, f"{self.block} + {byte}")))
+        return _Text(self.half(u16_at(self.buf, f"{self.block} + {byte}")))
 
     @staticmethod
     def f32(x) -> _Text:

@@ -88,3 +88,25 @@ def test_damaged_tuning_record_is_named(tvm, tmp_path, monkeypatch):
     damaged.write_text("{not json")
     with pytest.raises(ValueError, match=f"{damaged}: not a dflash-ir tuning record"):
         tune.tune(host_llvm(), kernels, 0.0)
+
+
+def test_a_schedule_is_kept_only_where_it_computes_what_the_kernel_does(tvm):
+    """tune.agrees: MetaSchedule does not check its candidates, and one replayed trace of the
+    odd-K product computed garbage; a schedule whose outputs differ from the kernel's is refused."""
+    import tvm as tvm_module
+
+    from dflash_ir.backends.tvm.build import host_llvm
+    from dflash_ir.backends.tvm.lowering import lower
+    from dflash_ir.backends.tvm.tune import agrees
+
+    _, kernels = lower(case_graph(CASES[UNSCHEDULED].build()))
+    script = next(k for k in kernels.values() if k.op == "matmul").script()
+    assert "T.float32(0)" in script
+
+    def func(text):
+        f = tvm_module.script.from_source(text)
+        return f.specialize({p: tvm_module.tirx.IntImm("int32", 3) for p in f.params if p.name == "n_T"})
+
+    target = tvm_module.target.Target(host_llvm())
+    assert agrees(func(script), func(script), target)
+    assert not agrees(func(script), func(script.replace("T.float32(0)", "T.float32(1)")), target)

@@ -72,8 +72,15 @@ def _m(r, j):
 
 
 def _q5_low(at_qh: int, at_qs: int):
-    """The 5-bit code of Q5_0 / Q5_1: low nibble, bit i of the 32-bit qh as bit 4."""
-    return lambda r, i: bits(r, i, at_qs, 16, 4) | (bits(r, i, at_qh, 1, 1) << 4)
+    """The 5-bit code of Q5_0 / Q5_1: low nibble, bit i of the 32-bit qh as bit 4, read from
+    the little-endian 16-bit half holding it, moved up by 4: 16 consecutive elements from a
+    multiple of 16 then read the same two bytes (a kernel's vector lanes one broadcast word,
+    where a byte per 8 elements was a gather; one-row 4096 x 4096 Q5_0 on tvm-llvm 4.25 ->
+    0.90 ms, opencl's 0.73)."""
+    def code(r, i):
+        at = at_qh + ((i >> 4) << 1)
+        return bits(r, i, at_qs, 16, 4) | ((((r.u8(at + 1) << 12) | (r.u8(at) << 4)) >> (i & 15)) & 16)
+    return code
 
 
 def _k_scale(at_d: int, sub_scale):

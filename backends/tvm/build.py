@@ -29,7 +29,7 @@ TARGETS = {
     "rocm": {"kind": "rocm", "mcpu": "gfx90a"},
 }
 GPU_THREADS = 64  # threads per block of the hand-scheduled sequential kernels
-FORMAT = 2        # of the cached build results: bump when what is cached changes
+FORMAT = 3        # of the cached build results: bump when what is cached changes
 
 
 def _key(config: Mapping, kernels: Mapping[str, PrimKernel], what: str) -> str:
@@ -181,6 +181,8 @@ def _lower_gpu(kind: str, kernels: Mapping[str, PrimKernel], nests: NestTarget |
     if not kernels:  # a graph of views only
         return "", {}
     _, device_target, device_mod, launches = scheduled_device(TARGETS[kind], kernels, nests=nests)
+    if nests and nests.device_rewrite:
+        device_mod = nests.device_rewrite(device_mod)
     return (nests.prelude if nests else "") + codegen_build(device_mod, device_target).inspect_source(), launches
 
 

@@ -11,13 +11,10 @@ took the decode GEMVs from ~2.0x of the native kernels to 1.2-1.45x and the 35B 
 
   tasks(n)         the loop over a nest's n independent tasks
   vectorized(n)    a loop over n vector lanes (OpenCL C's vectors have 2, 3, 4, 8 or 16)
-  gathered(n)      the same where the lanes' loads are bytes a block decoder picks (TVM's
-                   OpenCL C makes an unaligned byte vector shifts of an int: unrolled there)
   SCRATCH          the storage scope of a task's small arrays (kept in registers)
   f16(bits)        f32 of f16 bits (a uint16): F16C on both (OpenCL C calls the native
                    kernels' helper)
   prefetch(addr)   a hint to fetch the cache line at `addr` (an address_of)
-  bytes16(w, at)   w[at .. at + 15] of a uint8 buffer as one uint8x16, at any alignment
   f16x16(bits)     f32x16 of 16 f16 bits (a uint16x16): F16C on both
   load_as(t, w, at)
                    the bytes of uint8 buffer w from `at` as one vector of TVM type t (int32x16,
@@ -28,6 +25,9 @@ took the decode GEMVs from ~2.0x of the native kernels to 1.2-1.45x and the 35B 
                    unsigned bytes with the four signed bytes x[at .. at + 3] (any alignment),
                    the word broadcast from memory by the instruction (only where the host has
                    the extension: cpu_schedules.q8_product_nest's caller decides)
+
+and `device_rewrite`, a pass over the lowered device module before its source is printed
+(OpenCL C: byte vectors at offsets TVM cannot prove aligned, _opencl_byte_vectors).
 """
 from __future__ import annotations
 
@@ -42,24 +42,23 @@ class NestTarget:
     name: str
     tasks: Callable[[Any], Any]
     vectorized: Callable[[int], Any]
-    gathered: Callable[[int], Any]
     scratch: str
     f16: Callable[[Any], Any]
     prefetch: Callable[[Any], Any]
-    bytes16: Callable[[Any, Any], Any]
     f16x16: Callable[[Any], Any]
     load_as: Callable[[str, Any, Any], Any]
     dpbusd: Callable[[Any, Any, Any, Any], Any]
     prelude: str = ""  # target source the nests' primitives call, put before TVM's
+    device_rewrite: Callable[[Any], Any] | None = None
 
     def parse(self, script: str):
         """The PrimFunc of a nest's script with this target's primitives."""
         import tvm
         from tvm.script.parser import tirx as T
 
-        names = {"T": T, "tasks": self.tasks, "vectorized": self.vectorized, "gathered": self.gathered,
-                 "SCRATCH": self.scratch, "f16": self.f16, "prefetch": self.prefetch, "bytes16": self.bytes16,
-                 "f16x16": self.f16x16, "load_as": self.load_as, "dpbusd": self.dpbusd}
+        names = {"T": T, "tasks": self.tasks, "vectorized": self.vectorized, "SCRATCH": self.scratch,
+                 "f16": self.f16, "prefetch": self.prefetch, "f16x16": self.f16x16, "load_as": self.load_as,
+                 "dpbusd": self.dpbusd}
         return tvm.script.from_source(script, extra_vars=names)
 
 
@@ -125,14 +124,27 @@ def _cl_prefetch(address):  # OpenCL C on a CPU: clang's prefetch, by a prelude 
     return tvm.tirx.call_extern("int32", "prefetch_line", address)
 
 
-def _ramp_load(w, at):
+def _opencl_byte_vectors(mod):
+    """The device module with each load of 2-16 consecutive bytes a vloadN call. TVM's
+    OpenCL C reads a byte vector it cannot prove aligned (a block's fields, at any offset
+    in blocks of 18-210 bytes) as shifts of one int, which computes garbage past four lanes;
+    vloadN reads any alignment. A byte vector at other offsets (a gather) has no correct
+    form there, so it is refused."""
     import tvm
-    return tvm.tirx.BufferLoad(w, [tvm.tirx.Ramp(at, 1, 16)])
+    import tvm_ffi
+    from tvm import tirx
 
+    def load(node):
+        t = tvm.DataType(str(node.ty))
+        if t.bits != 8 or t.lanes == 1:
+            return node
+        index = node.indices[-1]
+        if not (isinstance(index, tirx.Ramp) and isinstance(index.stride, tirx.IntImm) and int(index.stride) == 1
+                and t.lanes in (2, 4, 8, 16)):
+            raise ValueError(f"TVM's OpenCL C cannot gather the byte vector {node}")
+        return tirx.call_pure_extern(str(t), f"vload{t.lanes}", 0, tirx.address_of(tirx.BufferLoad(node.source, [index.base])))
 
-def _vload16(w, at):
-    import tvm
-    return tvm.tirx.call_pure_extern("uint8x16", "vload16", 0, tvm.tirx.address_of(tvm.tirx.BufferLoad(w, [at])))
+    return tvm_ffi.structural_map(mod, [(tvm.ir.expr.TensorLoad, load)])  # TIR's BufferLoad
 
 
 def _parallel(n):
@@ -150,11 +162,6 @@ def _vector(n):
     return T.vectorized(n)
 
 
-def _unrolled(n):
-    from tvm.script.parser import tirx as T
-    return T.unroll(n)
-
-
 def _cl_vector(n):
     from tvm.script.parser import tirx as T
     return T.vectorized(n) if n in (1, 2, 3, 4, 8, 16) else T.unroll(n)
@@ -162,8 +169,8 @@ def _cl_vector(n):
 
 # TVM 0.27 makes a "global" buffer under 1 KiB inside a parallel loop a stack array of the
 # task, which LLVM keeps in registers ("local" would be a heap workspace per iteration)
-LLVM = NestTarget("llvm", _parallel, _vector, _vector, "global", _f16_by_cpu, _llvm_prefetch, _ramp_load,
-                  _f16x16_by_cpu, _llvm_load_as, _llvm_dpbusd)
+LLVM = NestTarget("llvm", _parallel, _vector, "global", _f16_by_cpu, _llvm_prefetch, _f16x16_by_cpu, _llvm_load_as,
+                  _llvm_dpbusd)
 # PoCL's vload16 / vstore16 of floats move a vector in 128-bit pieces, and a row stored so
 # then read back (the delta rule's state) stalls on store forwarding: the nests' float
 # vectors are read and written as unaligned 16-lane values instead (clang's aligned(4)
@@ -189,11 +196,11 @@ def _opencl_vectors() -> str:
                       "#define vstore16 nest_vstore16", ""])
 
 
-OPENCL_CPU = NestTarget("opencl-cpu", _work_groups, _cl_vector, _unrolled, "local", _f16_by_helper, _cl_prefetch,
-                        _vload16, _f16x16_by_helper, _cl_load_as, _cl_dpbusd,
+OPENCL_CPU = NestTarget("opencl-cpu", _work_groups, _cl_vector, "local", _f16_by_helper, _cl_prefetch,
+                        _f16x16_by_helper, _cl_load_as, _cl_dpbusd,
                         OPENCL_F16_TO_F32 + OPENCL_F16X16_TO_F32 + OPENCL_DPBUSD_AT + """
 static inline int prefetch_line(const __global void* p) {
   __builtin_prefetch(p);
   return 0;
 }
-""" + _opencl_vectors())
+""" + _opencl_vectors(), _opencl_byte_vectors)

@@ -28,11 +28,14 @@ interpreter and the native kernels sum in other orders: results agree to roundin
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
+from dflash_ir.quant import DP4_TYPES, Dp4Words
 from dflash_ir.types import Dim
 
-from .tir import f32, sub_block, u16_at, weight_at
+from .tir import _BlockText, _IndexText, _Text, f32, sub_block, u16_at, weight_at
 
 LANES = 16  # f32 lanes of one AVX-512 vector
 # (rows per pass, columns per task): a pass keeps rows x columns vectors of partial sums in
@@ -146,22 +149,69 @@ def product_nest(m: str, n: Dim, k: Dim, dtype: DType) -> str | None:
     return _by_rows(m, [(rows, _nest(rows, _widest(cols, n), m, n, k, dtype)) for rows, cols in PASSES])
 
 
-# (rows, groups of 16 columns) of the passes of Q8_0 x over Q8_0 weights: rows x groups int32
-# block sums and f32 partial sums in registers, as the native VNNI tiles (1x4 .. 8x2); a task
-# takes Q8_TASK_GROUPS groups (x's block sums, taken once per task and pass, serve them all)
+# (rows, groups of 16 columns) of the passes of Q8_0 x: rows x groups int32 block sums and f32
+# partial sums in registers, as the native VNNI tiles (1x4 .. 8x2); a task takes Q8_TASK_GROUPS
+# groups (x's block sums, taken once per task and pass, serve them all)
 Q8_PASSES = ((8, 2), (4, 2), (2, 4), (1, 4))
 Q8_TASK_GROUPS = 8
+# Q8_0's dp4 pack (quant.pack_q8_0_cols16 with dp4) is the block types' (pack_blocks_cols16_dp4)
+# for a block of one f16 scale (the head) and 32 quants: each code word(q) as it is, the
+# unsigned byte q + 128
+_Q8_0_WORDS = Dp4Words(2, lambda word, s, q: word(q), 128)
 
 
-def q8_product_nest(m: str, n: Dim, k: Dim, vnni: bool) -> str | None:
+def _q8_format(dtype: DType) -> tuple[Dp4Words, Callable, Callable | None, int]:
+    """(how its dp4 pack holds the codes, scale(r, j), offset(r, j) or None, elements a
+    sub-block) of a weight type a Q8_0 x multiplies as integers (quant.Q8_X_TYPES)."""
+    if dtype is DType.Q8_0:
+        return _Q8_0_WORDS, lambda r, j: r.f16(0), None, 32
+    fmt = DECODERS[dtype]
+    return DP4_TYPES[dtype], fmt.scale, fmt.offset, fmt.sub
+
+
+class _Dp4Text(_BlockText):
+    """The block decoders' reader over 16 columns at once: the block at byte `block` of w, a
+    dp4 pack, read as backends/kernels/access.Dp4Loads reads it: each read one 16-lane vector
+    (lane c column c), every byte index the same for all columns, so a decoder's arithmetic
+    runs lane-wise as it is written."""
+
+    lanes = f"float32x{LANES}"
+
+    def __init__(self, block: str, words: Dp4Words, nbytes: int):
+        self.block, self.words, self.tail_at = block, words, nbytes - words.tail
+
+    def word(self, i) -> _Text:
+        """The block's 32-bit word i, 16 columns'."""
+        return _Text(f'load_as("int32x{LANES}", w, {self.block} + {self.words.fields_first * LANES} + ({i}) * {4 * LANES})')
+
+    def _field(self, byte) -> str:
+        """The 16 columns' u16 field words holding byte `byte` of the pack's block."""
+        return f'load_as("uint16x{LANES}", w, {self.block} + ({byte} >> 1) * {2 * LANES})'
+
+    def _tail(self, byte):
+        return byte - self.tail_at + self.words.head if self.words.order else byte
+
+    def f16(self, byte: int) -> _Text:
+        return _Text(f"f16x16({self._field(byte if byte < self.words.head else self._tail(byte))})")
+
+    def u8(self, byte) -> _Text:
+        if self.words.order:  # the fields are the tail's
+            at = self._tail(byte)
+            return (_Text(f'T.Cast("int32x{LANES}", {self._field(at)})') >> ((at & 1) * 8)) & 255
+        at = byte - self.words.head  # a byte of the words
+        return (self.word(at >> 2) >> ((at & 3) * 8)) & 255
+
+
+def q8_product_nest(m: str, n: Dim, k: Dim, vnni: bool, dtype: DType = DType.Q8_0) -> str | None:
     """PrimFunc body computing out[m, n] = x[m, k] @ w[n, k]ᵀ for Q8_0 x (quantize_q8_0's
-    blocks) and a Q8_0 w packed by quant.pack_q8_0_cols16 with dp4 (16 columns side by side,
-    four input indices per 32-bit lane, each quant the unsigned byte w + 128), or None for
-    symbolic N or K. Each block's sum is an exact integer, Σ (w + 128) q started from -128 Σq:
-    four products a lane and instruction with VNNI (`dpbusd`, x's word broadcast from
-    memory), else the same integers in 32-bit lanes; then f32(sum) times both scales is added
-    to the column's partial sum, as the native tiles do (backends/kernels/linalg.py)."""
-    if not isinstance(n, int) or not isinstance(k, int) or k % 32:
+    blocks) and w of a Q8_X_TYPES type in its dp4 pack (quant.pack_q8_0_cols16 with dp4,
+    pack_blocks_cols16_dp4: 16 columns side by side, four codes per 32-bit lane, unsigned
+    bytes), or None for symbolic N or K. Each sub-block's sum is an exact integer, Σ code q
+    started from -bias Σq (Q8_0's codes are w + 128): four products a lane and instruction
+    with VNNI (`dpbusd`, x's word broadcast from memory), else the same integers in 32-bit
+    lanes; then f32(sum) times both scales, and the weights' min times d_x Σq, is added to
+    the column's partial sum, as the native tiles do (backends/kernels/linalg.py)."""
+    if not isinstance(n, int) or not isinstance(k, int) or k % dtype.block_size:
         return None
     groups = -(-n // LANES)
     task = _widest(Q8_TASK_GROUPS, groups)
@@ -169,41 +219,56 @@ def q8_product_nest(m: str, n: Dim, k: Dim, vnni: bool) -> str | None:
     for rows, most in Q8_PASSES:
         cols = min(most, task)
         first = f"T.min(r0 * {rows}, {m} - {rows})"
-        variants.append((rows, [f"for t in tasks({groups // task}):", *_indent(_q8_scratch(rows, cols, k), 1),
+        variants.append((rows, [f"for t in tasks({groups // task}):", *_indent(_q8_scratch(rows, cols, k, dtype), 1),
                                 f"    for r0 in range(({m} + {rows - 1}) // {rows}):",
                                 *_indent(_q8_pass(rows, cols, task // cols, n, k, lambda r: f"{first} + {r}",
-                                                  lambda row: row, f"t * {task} + cc * {cols} + j", "", vnni), 2)]))
+                                                  lambda row: row, f"t * {task} + cc * {cols} + j", "", vnni, dtype),
+                                         2)]))
     return _by_rows(m, variants)
 
 
-def _q8_scratch(rows: int, cols: int, k: int) -> list[str]:
+def _q8_scratch(rows: int, cols: int, k: int, dtype: DType) -> list[str]:
     """The task's arrays for _q8_pass of up to `rows` rows over `cols` groups."""
-    return [f'xs = T.alloc_buffer(({rows * (k // 32)},), "int32", scope=SCRATCH)',
+    _, _, offset, sub = _q8_format(dtype)
+    return [f'xs = T.alloc_buffer(({rows * (k // sub)},), "int32", scope=SCRATCH)',
             f'xsum = T.alloc_buffer(({LANES},), "int32", scope=SCRATCH)',
             f'words = T.alloc_buffer(({cols * LANES},), "int32", scope=SCRATCH)',
             f'scale = T.alloc_buffer(({cols * LANES},), "float32", scope=SCRATCH)',
+            *([f'offset = T.alloc_buffer(({cols * LANES},), "float32", scope=SCRATCH)',
+               f'dxs = T.alloc_buffer(({rows},), "float32", scope=SCRATCH)'] if offset else []),
             f'dx = T.alloc_buffer(({rows},), "float32", scope=SCRATCH)',
             *[f'dot{r} = T.alloc_buffer(({cols * LANES},), "int32", scope=SCRATCH)' for r in range(rows)],
             *[f'acc{r} = T.alloc_buffer(({cols * LANES},), "float32", scope=SCRATCH)' for r in range(rows)]]
 
 
 def _q8_pass(rows: int, cols: int, runs: int, n: int, k: int, row, x_row, group: str, w_first: str,
-             vnni: bool) -> list[str]:
+             vnni: bool, dtype: DType) -> list[str]:
     """Lines of `runs` runs (cc) of `cols` groups of 16 columns serving `rows` rows: output row
     row(r) reads x's row x_row(row(r)); `group` is the output group of a run's j-th (an
-    expression of cc and j), w_first + group its place in the pack. x's block sums are taken
-    once for all the runs."""
-    blocks = k // 32
-    wb = f"(({w_first}{group}) * {blocks} + b) * 544"  # w's block b of group j
+    expression of cc and j), w_first + group its place in the pack. x's sub-block sums are
+    taken once for all the runs. A weight block of more than 32 elements (the K-quants) is
+    walked as its runs s of 32 unrolled, each meeting one block of x."""
+    words, scale_of, offset_of, sub = _q8_format(dtype)
+    blocks, per_block, halves, quads = k // 32, dtype.block_size // 32, 32 // sub, sub // 4
+    reader = _Dp4Text(f"(({w_first}{group}) * {k // dtype.block_size} + b) * {dtype.block_bytes * LANES}", words,
+                      dtype.block_bytes)
+    # the run of 32 a step takes in its weight block, and a quad of codes, as index arithmetic
+    # TVM folds once the loops are unrolled (shifts and masks of a loop variable it left
+    # unfolded, and OpenCL's host code then computed them as kernel arguments)
+    s = _IndexText("s") if per_block > 1 else 0
+    run = f"b * {per_block} + s" if per_block > 1 else "b"  # its block of x
 
-    def xb(r: int) -> str:  # x's block b of pass row r
-        return f"(({x_row(row(r))}) * {blocks} + b) * 34"
+    def xb(r: int, at: str = run) -> str:  # x's block `at` of pass row r
+        return f"(({x_row(row(r))}) * {blocks} + {at}) * 34"
+
+    def xs(r: int, h: int) -> str:  # Σq of x's sub-block h of block `run`, pass row r
+        return f"xs[{r * blocks * halves} + ({run}) * {halves} + {h}]"
 
     def vec(buf: str, j) -> str:  # vector j of buf
         return f"{buf}[T.Ramp({j} * {LANES}, 1, {LANES})]"
 
-    def dot(r: int) -> list[str]:
-        at = f"{xb(r)} + 2 + k4 * 4"
+    def dot(r: int, q) -> list[str]:
+        at = f"{xb(r)} + 2 + ({q}) * 4"
         if vnni:
             return [f"{vec(f'dot{r}', 'j')} = dpbusd({vec(f'dot{r}', 'j')}, {vec('words', 'j')}, x, {at})"]
         terms = " + ".join(f"T.bitwise_and(T.shift_right(words[j * {LANES} + l], {8 * i}), 255) * "
@@ -221,26 +286,35 @@ def _q8_pass(rows: int, cols: int, runs: int, n: int, k: int, row, x_row, group:
         return [f"for l in vectorized({LANES}):", f"    out[{at}] = acc{r}[j * {LANES} + l]"]
 
     lines = [f"for b in range({blocks}):"]
-    for r in range(rows):  # -128 Σq of each block: where its sums start
-        lines += [f"    {vec('xsum', 0)} = {quants(f'{xb(r)} + 2')} + {quants(f'{xb(r)} + 18')}",
-                  *_indent(_vector_fold("xsum", LANES, "+"), 1),
-                  f"    xs[{r * blocks} + b] = xsum[0] * -128"]
+    for r in range(rows):  # Σq of each sub-block of x: the bias's and the min's
+        first, second = quants(xb(r, "b") + " + 2"), quants(xb(r, "b") + " + 18")
+        for h, sums in enumerate([f"{first} + {second}"] if halves == 1 else [first, second]):
+            lines += [f"    {vec('xsum', 0)} = {sums}", *_indent(_vector_fold("xsum", LANES, "+"), 1),
+                      f"    xs[{r * blocks * halves} + b * {halves} + {h}] = xsum[0]"]
+    step = []
+    for h in range(halves):
+        parts = [f"{vec('scale', 'j')} = {scale_of(reader, s * halves + h)}"]
+        parts += [f"{vec('offset', 'j')} = {offset_of(reader, s * halves + h)}"] if offset_of else []
+        step += [f"for j in T.unroll({cols}):", *_indent(parts, 1)]
+        for r in range(rows):
+            start = f"xs[{r * blocks * halves} + ({run}) * {halves} + {h}] * -{words.bias}" if words.bias else "0"
+            step += [f"for l in vectorized({cols * LANES}):", f"    dot{r}[l] = {start}"]
+            step += [f"dxs[{r}] = dx[{r}] * T.Cast(\"float32\", {xs(r, h)})"] if offset_of else []
+        q = f"{h * quads} + q4" if h else "q4"
+        step += [f"for q4 in T.unroll({quads}):", f"    for j in T.unroll({cols}):",
+                 f"        {vec('words', 'j')} = {words.codes(reader.word, s, _IndexText(f'({q})'))}"]
+        for r in range(rows):
+            step += [f"    for j in T.unroll({cols}):", *_indent(dot(r, q), 2)]
+        for r in range(rows):
+            minimum = " + offset[l] * dxs[{r}]".format(r=r) if offset_of else ""
+            step += [f"for l in vectorized({cols * LANES}):",
+                     f'    acc{r}[l] = acc{r}[l] + T.Cast("float32", dot{r}[l]) * (scale[l] * dx[{r}]){minimum}']
+    walk = [f"for b in range({k // dtype.block_size}):"] + ([f"    for s in T.unroll({per_block}):"] if per_block > 1 else [])
     lines += [f"for cc in range({runs}):",
               *[line for r in range(rows) for line in (f"    for l in vectorized({cols * LANES}):",
                                                        f"        acc{r}[l] = T.float32(0)")],
-              f"    for b in range({blocks}):",
-              f"        for j in T.unroll({cols}):",
-              f'            {vec("scale", "j")} = f16x16(load_as("uint16x{LANES}", w, {wb}))']
-    for r in range(rows):
-        lines += [f"        dx[{r}] = f16({u16_at('x', xb(r))})",
-                  f"        for l in vectorized({cols * LANES}):", f"            dot{r}[l] = xs[{r * blocks} + b]"]
-    lines += ["        for k4 in T.unroll(8):", f"            for j in T.unroll({cols}):",
-              f'                {vec("words", "j")} = load_as("int32x{LANES}", w, {wb} + 32 + k4 * {4 * LANES})']
-    for r in range(rows):
-        lines += [f"            for j in T.unroll({cols}):", *_indent(dot(r), 4)]
-    for r in range(rows):
-        lines += [f"        for l in vectorized({cols * LANES}):",
-                  f'            acc{r}[l] = acc{r}[l] + T.Cast("float32", dot{r}[l]) * (scale[l] * dx[{r}])']
+              *_indent(walk, 1),
+              *_indent([f"dx[{r}] = f16({u16_at('x', xb(r))})" for r in range(rows)] + step, len(walk) + 1)]
     for r in range(rows):
         lines += [f"    for j in T.unroll({cols}):", *_indent(store(r), 2)]
     return lines
@@ -275,18 +349,18 @@ def expert_order(m: str, experts: int) -> str:
         "    count[ids[p] + 1] = count[ids[p] + 1] + 1"])
 
 
-def expert_q8_product(n: int, k: int, experts: int, slots: str, per_token: bool) -> str:
-    """PrimFunc body computing out[p, n] = x[p // slots or p, k] @ w[ids[p]]ᵀ with Q8_0 experts
-    w[E, n, k], the pairs sorted by expert (expert_order's count and order): each task takes each
-    expert's pairs in passes of EXPERT_PASSES rows, so an expert's weights are decoded once
-    for all the rows of a pass. (The first pair left is kept in span[0], moved on after each
-    kind of pass, never inside one: OpenCL C tests a loop's bound on every iteration. With
-    loop extents written as sums over the passes before them, TVM 0.27's llvm code gave
-    wrong rows and crashed.)"""
+def expert_product(n: int, k: int, experts: int, slots: str, per_token: bool, dtype: DType) -> str:
+    """PrimFunc body computing out[p, n] = x[p // slots or p, k] @ w[ids[p]]ᵀ for an f32 x and
+    experts w[E, n, k] of any type product_nest takes, the pairs sorted by expert
+    (expert_order's count and order): each task takes each expert's pairs in passes of
+    EXPERT_PASSES rows, so an expert's weights are decoded once for all the rows of a pass.
+    (The first pair left is kept in span[0], moved on after each kind of pass, never inside
+    one: OpenCL C tests a loop's bound on every iteration. With loop extents written as sums
+    over the passes before them, TVM 0.27's llvm code gave wrong rows and crashed.)"""
     cols = _widest(EXPERT_PASSES[0][1], n)
     x_row = (lambda row: f"({row}) // {slots}") if per_token else (lambda row: row)
     return _expert_walk(n // cols, experts, [], [rows for rows, _ in EXPERT_PASSES],
-                        lambda rows, row: _pass(rows, cols, n, k, row, x_row, f"e * {n} + ", DType.Q8_0))
+                        lambda rows, row: _pass(rows, cols, n, k, row, x_row, f"e * {n} + ", dtype))
 
 
 def _expert_walk(tasks: int, experts: int, scratch: list[str], passes: list[int], pass_lines) -> str:
@@ -309,17 +383,17 @@ def _expert_walk(tasks: int, experts: int, scratch: list[str], passes: list[int]
 Q8_EXPERT_PASSES = ((2, 8), (1, 8))
 
 
-def expert_q8_x_product(n: int, k: int, experts: int, slots: str, per_token: bool, vnni: bool) -> str:
-    """expert_q8_product for Q8_0 x, the experts packed as quant.pack_q8_0_cols16 with dp4
-    packs a bank (expert by expert, each padded to whole groups): each pass as
-    q8_product_nest's, on an expert's pairs."""
+def expert_q8_x_product(n: int, k: int, experts: int, slots: str, per_token: bool, vnni: bool, dtype: DType) -> str:
+    """expert_product for Q8_0 x, the experts (of a quant.Q8_X_TYPES type) in their dp4 pack
+    (expert by expert, each padded to whole groups): each pass as q8_product_nest's, on an
+    expert's pairs."""
     groups = -(-n // LANES)
     cols = _widest(Q8_EXPERT_PASSES[0][1], groups)
     x_row = (lambda row: f"({row}) // {slots}") if per_token else (lambda row: row)
-    return _expert_walk(groups // cols, experts, _q8_scratch(Q8_EXPERT_PASSES[0][0], cols, k),
+    return _expert_walk(groups // cols, experts, _q8_scratch(Q8_EXPERT_PASSES[0][0], cols, k, dtype),
                         [rows for rows, _ in Q8_EXPERT_PASSES],
                         lambda rows, row: _q8_pass(rows, cols, 1, n, k, row, x_row, f"cg * {cols} + j", f"e * {groups} + ",
-                                                   vnni))
+                                                   vnni, dtype))
 
 
 def _widest(most: int, n: int) -> int:

@@ -3,16 +3,17 @@ their storage: Q8_0 blocks of an f16 scale + 32 int8 quants), the specialised ma
 (optional residual; x may be Q8_0 blocks, made by quantize_q8_0 as quantize_row_q8_0) and
 expert_matmul. Products are reduction blocks, which dlight's GEMV / matmul rules schedule;
 on the cpu profile those of an f32 x (weights of any dtype, K a multiple of 32) and those of
-a Q8_0 x over Q8_0 weights (read packed, as the native VNNI tiles read them) take
-cpu_schedules.py's loop nests."""
+a Q8_0 x over quant.Q8_X_TYPES weights (read from their dp4 pack, as the native VNNI tiles
+read them) take cpu_schedules.py's loop nests."""
 from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.ops.specialised import OPS
+from dflash_ir.quant import Q8_X_TYPES, cols16_layout
 from dflash_ir.types import TensorType
 
-from .cpu_schedules import expert_order, expert_q8_product, expert_q8_x_product, product_nest, q8_product_nest
+from .cpu_schedules import expert_order, expert_product, expert_q8_x_product, product_nest, q8_product_nest
 from .lowering import TVMNodeCtx, lowers
 from .tir import block, dim, float_to_half, prod, q8_quant, q8_scale, round_half_away, weight_at
 
@@ -56,24 +57,24 @@ def matmul(ctx: TVMNodeCtx) -> None:
     m = prod(x.type.shape[:-1])
     K = dim(k)
     product = ctx.temp(ctx.outs[0].type) if res else ctx.outs[0]  # then out = product + residual
-    f32_nest = product_nest(m, n, k, w.type.dtype)  # the cpu profile's nest of an f32 x
-    q8_nest = (q8_product_nest(m, n, k, "avx512_vnni" in ctx.isa) if ctx.profile == "cpu" and x.type.dtype is DType.Q8_0
-               and w.type.dtype is DType.Q8_0 else None)
-    if q8_nest:  # integer block sums over the dp4 pack, as the native tiles
-        packed = ctx.packed([w], "q8_0_cols16_dp4")
-        ctx.kernel("matmul_q8_0_q8_0", [("x", x, False), ("w", packed, False), ("out", product, True)], q8_nest,
+    dtype = w.type.dtype
+    q8_nest = (q8_product_nest(m, n, k, "avx512_vnni" in ctx.isa, dtype) if ctx.profile == "cpu"
+               and x.type.dtype is DType.Q8_0 and dtype in Q8_X_TYPES else None)
+    if q8_nest:  # integer sub-block sums over the dp4 pack, as the native tiles
+        packed = ctx.packed([w], cols16_layout(dtype, dp4=True))
+        ctx.kernel(f"matmul_q8_0_{dtype.value}", [("x", x, False), ("w", packed, False), ("out", product, True)], q8_nest,
                    cpu_body=q8_nest)
-    elif x.type.dtype is DType.Q8_0 and w.type.dtype is DType.Q8_0:  # quants times both blocks' scales
+    elif x.type.dtype is DType.Q8_0 and dtype is DType.Q8_0:  # quants times both blocks' scales
         term = (f"{q8_quant('x', 'row', 'c', k)} * {q8_quant('w', 'col', 'c', k)} * "
                 f"{q8_scale('x', 'row', 'c // 32', k)} * {q8_scale('w', 'col', 'c // 32', k)}")
         _product(ctx, "matmul_q8_0_q8_0", [("x", x, False), ("w", w, False)], m, n, k, term, product)
-    elif x.type.dtype is DType.Q8_0 and not (ctx.profile == "cpu" and f32_nest):  # x's values d_x * q
-        term = f"{weight_at(DType.Q8_0, 'x', 'row', 'c', k)} * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
+    elif x.type.dtype is DType.Q8_0:  # x's values d_x * q
+        term = f"{weight_at(DType.Q8_0, 'x', 'row', 'c', k)} * {weight_at(dtype, 'w', 'col', 'c', k)}"
         _product(ctx, "matmul_q8_x", [("x", x, False), ("w", w, False)], m, n, k, term, product)
-    else:  # on the cpu profile a Q8_0 x over another type is its values d_x * q first, for the f32 nest
-        x = ctx.sub("dequantize", x) if x.type.dtype is DType.Q8_0 else x
-        term = f"x[row * {K} + c] * {weight_at(w.type.dtype, 'w', 'col', 'c', k)}"
-        _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product, f32_nest or "")
+    else:  # with the llvm target's nest of an f32 x, where it has one
+        term = f"x[row * {K} + c] * {weight_at(dtype, 'w', 'col', 'c', k)}"
+        _product(ctx, "matmul", [("x", x, False), ("w", w, False)], m, n, k, term, product,
+                 product_nest(m, n, k, dtype) or "")
     if res:
         _residual(ctx, product, res[0], m, n)
 
@@ -105,28 +106,29 @@ def quantize_q8_0(ctx: TVMNodeCtx) -> None:
 @lowers("expert_matmul")
 def expert_matmul(ctx: TVMNodeCtx) -> None:
     """out[t, s] = x[t (, s)] @ w[ids[t, s]]ᵀ: only the selected expert's rows are read; a Q8_0
-    x read as its values d_x * q, as matmul's. On the cpu profile, Q8_0 experts take the
-    expert nests (of an f32 x, or of a Q8_0 x over their dp4 pack), after a launch that sorts
-    the pairs by expert."""
+    x read as its values d_x * q, as matmul's. On the cpu profile the experts take the expert
+    nests (of an f32 x over any weights the dense nest takes, or of a Q8_0 x over a
+    Q8_X_TYPES type's dp4 pack), after a launch that sorts the pairs by expert."""
     x, w, ids = ctx.ins
     out = ctx.outs[0]
     experts, n, k = w.type.shape
+    dtype = w.type.dtype
     slots = dim(ids.type.shape[1])
     N, K = dim(n), dim(k)
     rows = prod(ids.type.shape)
-    if (ctx.profile == "cpu" and w.type.dtype is DType.Q8_0 and x.type.dtype in (DType.F32, DType.Q8_0)
-            and all(isinstance(d, int) for d in (experts, n, k))):
+    if (ctx.profile == "cpu" and all(isinstance(d, int) for d in (experts, n, k)) and k % 32 == 0
+            and (x.type.dtype is DType.F32 or x.type.dtype is DType.Q8_0 and dtype in Q8_X_TYPES)):
         def sort() -> tuple[Value, Value]:
             count, order = ctx.temp(TensorType(DType.I32, (experts + 2,))), ctx.temp(TensorType(DType.I32, ids.type.shape))
             ctx.sequential("expert_order", [("ids", ids, False), ("count", count, True), ("order", order, True)], [],
                            expert_order(rows, experts))
             return count, order
         count, order = ctx.once(("expert_order", ids.name), sort)  # a fused MoE's products share it
-        if x.type.dtype is DType.Q8_0:  # integer block sums over the dp4 pack, as the dense products
-            w = ctx.packed([w], "q8_0_cols16_dp4")
-            nest = expert_q8_x_product(n, k, experts, slots, x.type.rank == 2, "avx512_vnni" in ctx.isa)
+        if x.type.dtype is DType.Q8_0:  # integer sub-block sums over the dp4 pack, as the dense products
+            w = ctx.packed([w], cols16_layout(dtype, dp4=True))
+            nest = expert_q8_x_product(n, k, experts, slots, x.type.rank == 2, "avx512_vnni" in ctx.isa, dtype)
         else:
-            nest = expert_q8_product(n, k, experts, slots, x.type.rank == 2)
+            nest = expert_product(n, k, experts, slots, x.type.rank == 2, dtype)
         ctx.kernel("expert_matmul", [("x", x, False), ("w", w, False), ("count", count, False), ("order", order, False),
                                      ("out", out, True)], nest, cpu_body=nest)
         return

@@ -188,9 +188,10 @@ class _BlockText:
     def f16(self, byte: int) -> _Text:
         return _Text(self.half(u16_at(self.buf, f"{self.block} + {byte}")))
 
-    @staticmethod
-    def f32(x) -> _Text:
-        return _Text(f'T.Cast("float32", {x})')
+    lanes = "float32"  # the f32 type of a value read
+
+    def f32(self, x) -> _Text:
+        return _Text(f'T.Cast("{self.lanes}", {x})')
 
     @staticmethod
     def f32_bits(x) -> _Text:

@@ -24,7 +24,6 @@ from .limits import beyond_cache_bytes
 from .programs import single_graph_runner
 
 F32, F16, Q8 = DType.F32, DType.F16, DType.Q8_0
-Q8_BYTES = 34 / 32  # bytes per Q8_0 weight
 MAX_COPIES = 64  # of a decode GEMV's weight, to read it from memory rather than cache
 EXPERTS_ALLOCATED = 64  # of the 35B-A3B's 256: a token reads only its top-8 either way
 
@@ -57,8 +56,30 @@ def random_q8_0(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return blocks.reshape(*lead, k // 32 * 34)
 
 
-def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int | None = None) -> KernelCase:
-    """x[rows, k] @ w[n, k]^T with a Q8_0 weight, built as the model builders build a linear
+# where each K-quant a Q4_K_M file holds keeps its f16 scales (ggml-common.h): d, and dmin
+K_QUANT_F16_FIELDS = {DType.Q4_K: (0, 2), DType.Q6_K: (208,)}
+
+
+def random_weight(rng: np.random.Generator, shape: tuple[int, ...], dtype: DType) -> np.ndarray:
+    """Storage of random `dtype` weights of values ~ 1/sqrt(K): Q8_0's as random_q8_0's, a
+    K-quant's random code and sub-scale bytes under f16 scales set to match."""
+    if dtype is Q8:
+        return random_q8_0(rng, shape)
+    *lead, k = shape
+    blocks = rng.integers(0, 256, size=(*lead, k // dtype.block_size, dtype.block_bytes), dtype=np.uint8)
+    d = np.float16(1.0 / (256.0 * math.sqrt(k)))  # a sub-scale times a code is of order 256
+    for at in K_QUANT_F16_FIELDS[dtype]:
+        blocks[..., at:at + 2] = np.frombuffer(d.tobytes(), np.uint8)
+    return blocks.reshape(*lead, -1).view(dtype.numpy())
+
+
+def _bytes_per_weight(dtype: DType) -> float:
+    return dtype.block_bytes / dtype.block_size
+
+
+def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int | None = None,
+              dtype: DType = Q8) -> KernelCase:
+    """x[rows, k] @ w[n, k]^T with a `dtype` weight, built as the model builders build a linear
     layer (dequantize, then matmul) of a decode graph (one static row), a verify graph (T
     rows, up to 16) or a prefill graph: the interpreter dequantizes once at load, the passes
     turn it into the kernel those graphs get, a Q8_0 GEMV or a tiled GEMM.
@@ -67,16 +88,16 @@ def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int |
     and again would come from a 300 MB L3, not from memory. Each copy has its own x (equal
     values), as each layer has: products of one x would be grouped into one (group_matmuls)."""
     rng = np.random.default_rng(seed)
-    weight = n * k * Q8_BYTES
+    weight = n * k * _bytes_per_weight(dtype)
     if copies is None:
         copies = min(MAX_COPIES, max(1, -(-beyond_cache_bytes() // int(weight)))) if rows == 1 else 1
     b = GraphBuilder(name)
     b.meta["kind"] = "decode" if rows == 1 else "verify" if rows <= GEMV_ROWS else "prefill"
     for c in range(copies):
         x = b.input("x" if c == 0 else f"x{c}", F32, (1 if rows == 1 else "T", k))
-        b.output(f"y{c}", b.matmul(x, b.dequantize(b.weight(f"w{c}", Q8, (n, k)))))
+        b.output(f"y{c}", b.matmul(x, b.dequantize(b.weight(f"w{c}", dtype, (n, k)))))
     family = "gemv" if rows <= GEMV_ROWS else "gemm"
-    block = random_q8_0(rng, (n, k))
+    block = random_weight(rng, (n, k), dtype)
     weights = {f"w{c}": block if c == 0 else _variant(block, c) for c in range(copies)}
     xs = rng.standard_normal((rows, k)).astype(np.float32)
     inputs = {"x" if c == 0 else f"x{c}": xs for c in range(copies)}
@@ -85,7 +106,7 @@ def gemv_case(name: str, n: int, k: int, rows: int, seed: int = 0, copies: int |
 
 
 def _variant(storage: np.ndarray, c: int) -> np.ndarray:
-    """Another Q8_0 matrix of the same statistics without drawing new random bytes (the rows
+    """Another matrix of the same statistics without drawing new random bytes (the rows
     rotated by c): distinct memory for each copy at the cost of one copy."""
     return np.roll(storage, c, axis=0)
 
@@ -132,24 +153,26 @@ def gdn_case(name: str, rows: int, hk: int = 16, hv: int = 32, dk: int = 128, dv
 
 
 def moe_case(name: str, rows: int, width: int = 2048, ff: int = 512, experts: int = EXPERTS_ALLOCATED, k: int = 8,
-             seed: int = 0) -> KernelCase:
-    """The fused MoE block (router, top-k, SwiGLU experts, gated shared expert)."""
+             seed: int = 0, dtype: DType = Q8, down: DType = Q8) -> KernelCase:
+    """The fused MoE block (router, top-k, SwiGLU experts, gated shared expert); gate and up
+    of `dtype`, down of `down` (a Q4_K_M file's Q4_K and Q6_K)."""
     rng = np.random.default_rng(seed)
     b = GraphBuilder(name)
     x = b.input("x", F32, ("T", width))
-    names = {"router": ((experts, width), F16), "gate_exps": ((experts, ff, width), Q8),
-             "up_exps": ((experts, ff, width), Q8), "down_exps": ((experts, width, ff), Q8),
-             "sh_gate": ((ff, width), Q8), "sh_up": ((ff, width), Q8), "sh_down": ((width, ff), Q8),
+    names = {"router": ((experts, width), F16), "gate_exps": ((experts, ff, width), dtype),
+             "up_exps": ((experts, ff, width), dtype), "down_exps": ((experts, width, ff), down),
+             "sh_gate": ((ff, width), dtype), "sh_up": ((ff, width), dtype), "sh_down": ((width, ff), down),
              "sh_gate_inp": ((width,), F32)}
-    weights = {n: random_q8_0(rng, s) if t is Q8 else quantize(rng.standard_normal(s).astype(np.float32) * 0.02, t)
+    weights = {n: random_weight(rng, s, t) if t.is_block else quantize(rng.standard_normal(s).astype(np.float32) * 0.02, t)
                for n, (s, t) in names.items()}
     b.output("y", b.fused_moe(x, *(b.weight(n, t, s) for n, (s, t) in names.items()), k=k))
     xs = rng.standard_normal((rows, width)).astype(np.float32)
     chosen = np.argsort(-(xs @ dequantize(weights["router"], F16).T), axis=-1)[:, :k]
     read = len(np.unique(chosen)) + 1  # distinct experts hit, plus the shared one
     per_expert = 3 * ff * width
+    expert_bytes = ff * width * (2 * _bytes_per_weight(dtype) + _bytes_per_weight(down))  # gate, up, down
     return KernelCase(name, "moe", b.build(), weights, {"x": xs},
-                      nbytes=read * per_expert * Q8_BYTES + experts * width * 2 + 8.0 * rows * width,
+                      nbytes=read * expert_bytes + experts * width * 2 + 8.0 * rows * width,
                       flops=2.0 * rows * (k + 1) * per_expert + 2.0 * rows * experts * width)
 
 
@@ -175,4 +198,10 @@ def default_cases(quick: bool = False) -> list[Callable[[], KernelCase]]:
         lambda: gdn_case("9B gated delta rule verify16", 16),
         lambda: moe_case("35B fused moe T1", 1),
         lambda: moe_case("35B fused moe verify16", 16),
+        # what llama.cpp users run: Q4_K_M targets (Q4_K; ffn_down, attn_v and the experts' down in Q6_K)
+        lambda: gemv_case("9B ffn_up gemv Q4_K 12288x4096", 12288, 4096, 1, dtype=DType.Q4_K),
+        lambda: gemv_case("9B ffn_down gemv Q6_K 4096x12288", 4096, 12288, 1, dtype=DType.Q6_K),
+        lambda: gemv_case("9B attn_q verify Q4_K 16x8192x4096", 8192, 4096, 16, dtype=DType.Q4_K),
+        lambda: moe_case("35B fused moe Q4_K_M T1", 1, dtype=DType.Q4_K, down=DType.Q6_K),
+        lambda: moe_case("35B fused moe Q4_K_M verify16", 16, dtype=DType.Q4_K, down=DType.Q6_K),
     ]

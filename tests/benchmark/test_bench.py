@@ -11,7 +11,7 @@ import pytest
 from dflash_ir.artifact import open_engine
 from dflash_ir.backends.base import get_backend
 from dflash_ir.benchmark import cli
-from dflash_ir.benchmark.kernels import Q8_BYTES, gemv_case, random_q8_0
+from dflash_ir.benchmark.kernels import gemv_case, moe_case, random_q8_0, random_weight
 from dflash_ir.benchmark.models import synthetic_model
 from dflash_ir.benchmark.peer import PeerCrashed, peer_unavailable, portable_build_command, run_llama_cpp
 from dflash_ir.benchmark.tau import ScriptedDraft, TooSlow, run_tau_sweep
@@ -60,7 +60,25 @@ def test_random_q8_0_is_valid_storage_with_the_stated_scale():
     assert values.shape == (4, 128)
     assert np.all(np.abs(values) <= 127 * d + 1e-9)
     assert np.allclose(values / d, np.round(values / d))  # integer multiples of the block scale
-    assert Q8_BYTES * 128 == storage.shape[1]
+    assert 34 * 128 // 32 == storage.shape[1]
+
+
+@pytest.mark.parametrize("dtype", [DType.Q4_K, DType.Q6_K])
+def test_random_k_quant_weights_decode_to_values_of_order_one_over_sqrt_k(dtype):
+    """The Q4_K_M cases' weights: every block's f16 scales set (random bytes there could be
+    inf or NaN), values ~ 1/sqrt(K) as the Q8_0 cases'."""
+    storage = random_weight(np.random.default_rng(0), (8, 1024), dtype)
+    values = dequantize(storage, dtype)
+    assert values.shape == (8, 1024) and storage.shape == (8, 1024 // 256 * dtype.block_bytes)
+    assert np.all(np.isfinite(values)) and 0.1 < np.std(values) * np.sqrt(1024) < 10
+
+
+def test_a_q4_k_m_moe_case_moves_its_experts_bytes_as_stored():
+    """One row's top-2 and the shared expert: three experts' gate and up (Q4_K, 144 bytes a
+    256-block) and down (Q6_K, 210 bytes), the f16 router, x in and y out."""
+    case = moe_case("m", 1, width=256, ff=256, experts=4, k=2, dtype=DType.Q4_K, down=DType.Q6_K)
+    assert [case.weights[n].shape[-1] for n in ("gate_exps", "down_exps", "sh_up")] == [144, 210, 144]
+    assert case.nbytes == 3 * 256 * 256 * (2 * 144 + 210) / 256 + 4 * 256 * 2 + 8 * 256
 
 
 def _cpu_backends() -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dflash_ir.dtypes import DType
 
 from .lowering import TVMNodeCtx, lowers
-from .tir import block, broadcast, dim, f32, flat, float_to_half, half_to_float, sigmoid
+from .tir import block, broadcast, dim, f32, flat, float_to_half, half_to_float, sigmoid, swiglu
 
 
 def axes(shape) -> list[tuple[str, str]]:
@@ -13,7 +13,7 @@ def axes(shape) -> list[tuple[str, str]]:
 
 
 _BINARY = {"add": lambda a, b: f"{a} + {b}", "sub": lambda a, b: f"{a} - {b}", "mul": lambda a, b: f"{a} * {b}",
-           "div": lambda a, b: f"{a} / {b}", "swiglu": lambda a, b: f"{a} * {sigmoid(a)} * {b}",
+           "div": lambda a, b: f"{a} / {b}", "swiglu": swiglu,
            "sigmoid_gate": lambda a, b: f"{a} * {sigmoid(b)}"}
 _UNARY = {"neg": lambda a: f"-{a}", "exp": lambda a: f"T.exp({a})", "sigmoid": sigmoid,
           "silu": lambda a: f"{a} * {sigmoid(a)}",

@@ -81,14 +81,20 @@ def matmul(ctx: TVMNodeCtx) -> None:
 
 @lowers("quantize_q8_0")
 def quantize_q8_0(ctx: TVMNodeCtx) -> None:
-    """A point per 32-block: scale amax / 127 stored as f16 bits, quants round-half-away of
-    x times the unrounded scale's inverse (quantize_row_q8_0)."""
     x = ctx.ins[0]
     if ctx.attr.get("norm_eps") is not None:  # the norm prologue: the rmsnorm first, into a temporary
         x = ctx.sub("rmsnorm", x, ctx.ins[1], eps=ctx.attr["norm_eps"])
-    k = x.type.shape[-1]
+    quantize_rows(ctx, "quantize_q8_0", [("x", x)], lambda at: f"x[{at}]", ctx.outs[0])
+
+
+def quantize_rows(ctx: TVMNodeCtx, op: str, inputs, element, out: Value) -> None:
+    """Q8_0 blocks of the rows of out's shape whose element at flat index `at` is element(at)
+    (over `inputs`, (param name, value) pairs), a point per 32-block: scale amax / 127 stored
+    as f16 bits, quants round-half-away of each element times the unrounded scale's inverse
+    (quantize_row_q8_0)."""
+    k = out.type.shape[-1]
     blocks = k // 32
-    at = f"x[row * {k} + b * 32 + e]"
+    at = element(f"row * {k} + b * 32 + e")
     base = f"(row * {blocks} + b) * 34"
     bits = float_to_half("s[1]")
     body = ("s[0] = T.float32(0)\n"
@@ -99,8 +105,8 @@ def quantize_q8_0(ctx: TVMNodeCtx) -> None:
             f'out[{base} + 1] = T.Cast("uint8", T.shift_right({bits}, T.uint16(8)))\n'
             f"for e in range(32):\n"
             f'    out[{base} + 2 + e] = T.reinterpret("uint8", T.Cast("int8", {round_half_away(f"{at} * s[2]")}))')
-    ctx.sequential("quantize_q8_0", [("x", x, False), ("out", ctx.outs[0], True)],
-                   [("row", prod(x.type.shape[:-1])), ("b", str(blocks))], body, [("s", 3)])
+    ctx.sequential(op, [(name, v, False) for name, v in inputs] + [("out", out, True)],
+                   [("row", prod(out.type.shape[:-1])), ("b", str(blocks))], body, [("s", 3)])
 
 
 @lowers("expert_matmul")

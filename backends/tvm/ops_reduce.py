@@ -76,22 +76,27 @@ def argmax(ctx: TVMNodeCtx) -> None:
                    [("best", 2)])
 
 
+def topk_lines(v: str, k: int, n, emit) -> str:
+    """Statements picking the k largest of v (an expression of j, over j < n), largest first,
+    ties to the lower index: pass q picks the largest (value, -index) strictly after pass
+    q-1's pick in that order, into st[2] (value) and st[3] (index, as f32), then emit(q)'s
+    lines run (st: an f32 scratch of 4)."""
+    return "\n".join([
+        f"st[0] = {f32(float('inf'))}", "st[1] = T.float32(-1)", f"for q in range({k}):",
+        f"    st[2] = {f32(float('-inf'))}", "    st[3] = T.float32(-1)", f"    for j in range({n}):",
+        f"        if T.And(T.Or({v} < st[0], T.And({v} == st[0], T.Cast(\"float32\", j) > st[1])), "
+        f"T.Or(st[3] < T.float32(0), {v} > st[2])):",
+        f"            st[2] = {v}", "            st[3] = T.Cast(\"float32\", j)",
+        *[f"    {line}" for line in emit("q")], "    st[0] = st[2]", "    st[1] = st[3]"])
+
+
 @lowers("topk")
 def topk(ctx: TVMNodeCtx) -> None:
-    """Pass p picks the largest (value, -index) strictly after pass p-1's pick in that order."""
     x = ctx.ins[0]
     values, indices = ctx.outs
     k, N = ctx.attr["k"], dim(x.type.shape[-1])
-    v = f"x[row * {N} + j]"
-    body = (f"st[0] = {f32(float('inf'))}\nst[1] = T.float32(-1)\n"
-            f"for p in range({k}):\n"
-            f"    st[2] = {f32(float('-inf'))}\n    st[3] = T.float32(-1)\n"
-            f"    for j in range({N}):\n"
-            f"        if T.And(T.Or({v} < st[0], T.And({v} == st[0], T.Cast(\"float32\", j) > st[1])), "
-            f"T.Or(st[3] < T.float32(0), {v} > st[2])):\n"
-            f"            st[2] = {v}\n            st[3] = T.Cast(\"float32\", j)\n"
-            f"    values[row * {k} + p] = st[2]\n    indices[row * {k} + p] = T.Cast(\"int32\", st[3])\n"
-            f"    st[0] = st[2]\n    st[1] = st[3]")
+    body = topk_lines(f"x[row * {N} + j]", k, N, lambda q: [f"values[row * {k} + {q}] = st[2]",
+                                                               f'indices[row * {k} + {q}] = T.Cast("int32", st[3])'])
     ctx.sequential("topk", [("x", x, False), ("values", values, True), ("indices", indices, True)],
                    [("row", prod(x.type.shape[:-1]))], body, [("st", 4)])
 

@@ -82,6 +82,11 @@ def sigmoid(a: str) -> str:
     return f"T.if_then_else({a} >= T.float32(0), T.float32(1) / (T.float32(1) + {e}), {e} / (T.float32(1) + {e}))"
 
 
+def swiglu(a: str, b: str) -> str:
+    """silu(a) * b, as the reference computes it (a * sigmoid(a) * b)."""
+    return f"{a} * {sigmoid(a)} * {b}"
+
+
 def round_half_away(v: str) -> str:
     """C roundf in f32 arithmetic: v - trunc(v) is exact, so the half test is too."""
     return (f"(T.trunc({v}) + T.if_then_else(T.fabs({v} - T.trunc({v})) >= T.float32(0.5), "

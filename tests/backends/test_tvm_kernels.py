@@ -185,16 +185,28 @@ def test_the_delta_rule_nest_unrolls_its_loops_over_a_rows_vectors():
     assert "for c in range(" not in nest and "for c in T.unroll(4):" in nest
 
 
-def test_a_fused_moe_on_the_cpu_profile_sorts_its_pairs_once():
-    """TVM lowers a fused MoE as its parts; its three Q8_0 expert products read one sort of
-    the (row, slot) pairs by expert (NodeCtxBase.once), not a sort each: two launches fewer
-    a MoE layer (tvm-opencl's one-row 35B MoE 1.33-1.45x of opencl -> 1.21-1.33x)."""
+@pytest.mark.parametrize("name", ["fused_moe_ragged", "fused_moe_q4_k_m_q8_x_decode"])
+def test_a_fused_moe_on_the_cpu_profile_is_thirteen_launches_at_most(name):
+    """On the cpu profile TVM lowers a fused MoE as the router product, one routing kernel
+    (softmax, top-k, renormalisation and the shared expert's gate), the expert products
+    (three, reading one sort of the (row, slot) pairs by expert, NodeCtxBase.once) and the
+    shared expert's, each SwiGLU quantised in its own kernel where down reads Q8_0, and one
+    kernel combining the outputs: 12 launches, 13 with x's Q8_0 blocks, where its parts
+    took 25 (tvm-opencl's one-row 35B MoE 1.34-1.36x of opencl -> 1.11-1.14x); the GPU
+    profile keeps the parts for dlight."""
     from dflash_ir.backends.tvm.lowering import lower
     from kernel_cases import case_graph
 
-    plan, kernels = lower(case_graph(CASES["fused_moe_ragged"].build()), "cpu")
+    q8 = "q8_x" in name
+    graph = case_graph(CASES[name].build())
+    plan, kernels = lower(graph, "cpu")
     ops = [kernels[la.kernel].op for step in plan.steps for la in step.launches if la.kernel in kernels]
     assert ops.count("expert_matmul") == 3 and ops.count("expert_order") == 1, ops
+    assert ops.count("moe_route") == ops.count("moe_combine") == 1 and "softmax" not in ops and "topk" not in ops, ops
+    assert ops.count("swiglu_quantize_q8_0" if q8 else "swiglu") == 2 and len(ops) == 12 + q8, ops
+    plan, kernels = lower(graph, "gpu")
+    ops = {kernels[la.kernel].op for step in plan.steps for la in step.launches if la.kernel in kernels}
+    assert {"softmax", "topk"} <= ops and not {"moe_route", "moe_combine"} & ops, ops
 
 
 def test_llvm_delta_rule_of_no_rows_keeps_the_state(tvm, tmp_path):

@@ -222,33 +222,24 @@ def _u32(v: int) -> str:
     return f"T.uint32({v})"
 
 
-def f16_bits_to_f32(h, ops):
-    """f32 value of the f16 bits in uint32 `h`, exact for every f16 (subnormals, inf and NaN
-    included) and free of branches: the magnitude's bits moved to f32's places with the
-    exponent rebased (by 112; inf and NaN to 255; a subnormal as if its exponent were 1,
-    then that leading 2^-14 subtracted, exactly), the sign put back: the GPU bodies' f16
-    (a CPU's nests take F16C, nest_targets.py). `ops` makes the expressions (_TextOps)."""
-    u = ops.u32
-    e = h & u(0x7C00)
-    bias = ops.select(ops.eq(e, u(0x7C00)), u(224 << 23), ops.select(ops.eq(e, u(0)), u(113 << 23), u(112 << 23)))
-    magnitude = ops.as_f32(((h & u(0x7FFF)) << u(13)) + bias) - ops.select(ops.eq(e, u(0)), ops.f32(2.0 ** -14),
-                                                                           ops.f32(0.0))
-    return ops.as_f32(ops.as_u32(magnitude) | ((h & u(0x8000)) << u(16)))
-
-
-class _TextOps:
-    """f16_bits_to_f32's expressions as TVMScript text."""
-    u32 = staticmethod(lambda v: _Text(_u32(v)))
-    f32 = staticmethod(lambda v: _Text(f"T.float32({v!r})"))
-    eq = staticmethod(lambda a, b: _Text(f"({a} == {b})"))
-    select = staticmethod(lambda c, a, b: _Text(f"T.Select({c}, {a}, {b})"))
-    as_f32 = staticmethod(lambda x: _Text(f'T.reinterpret("float32", {x})'))
-    as_u32 = staticmethod(lambda x: _Text(f'T.reinterpret("uint32", {x})'))
-
-
 def half_to_float(bits: str) -> str:
-    """f32 value of f16 bits (a uint16 expression), as text."""
-    return str(f16_bits_to_f32(_Text(f'T.Cast("uint32", {bits})'), _TextOps))
+    """f32 value of f16 bits (a uint16 expression), as text: exact for every f16 (subnormals,
+    inf and NaN included) and free of branches: the magnitude's bits moved to f32's places
+    with the exponent rebased (by 112; inf and NaN to 255; a subnormal as if its exponent
+    were 1, then that leading 2^-14 subtracted, exactly), the sign put back: the GPU bodies'
+    f16 (a CPU's nests take F16C, nest_targets.py)."""
+    def u(v: int) -> _Text:
+        return _Text(_u32(v))
+
+    select = _BlockText.select
+    h = _Text(f'T.Cast("uint32", {bits})')
+    e = h & u(0x7C00)
+    subnormal = f"({e} == {u(0)})"
+    bias = select(f"({e} == {u(0x7C00)})", u(224 << 23), select(subnormal, u(113 << 23), u(112 << 23)))
+    magnitude = (_Text(f'T.reinterpret("float32", {((h & u(0x7FFF)) << u(13)) + bias})')
+                 - select(subnormal, f"T.float32({2.0 ** -14!r})", "T.float32(0.0)"))
+    signed = _Text(f'T.reinterpret("uint32", {magnitude})') | ((h & u(0x8000)) << u(16))
+    return f'T.reinterpret("float32", {signed})'
 
 
 def float_to_half(x: str) -> str:

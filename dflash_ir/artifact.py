@@ -50,6 +50,7 @@ class ModelPair:
     configs: dict  # role -> config dataclass
     graphs: dict  # program name -> Graph
     extra_taps: tuple[int, ...] = ()
+    draft_vocab: Any = None  # a reduced draft head's d2t ids (models/draft_vocab.py), read once
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -127,7 +128,7 @@ def open_pair(target, draft=None, *, taps: tuple[int, ...] = (),
         validate_tensors(dft, dcfg)
         check_pair(dcfg, tcfg, draft_path=dft.path, target_path=tgt.path)
         if dcfg.draft_vocab:
-            read_d2t(dft, tcfg.vocab_size)
+            pair.draft_vocab = read_d2t(dft, tcfg.vocab_size)
             progress(f"the draft's own head: {dcfg.draft_vocab} of the target's {tcfg.vocab_size} tokens (d2t)")
         pair.files["draft"], pair.configs["draft"] = dft, dcfg
         db = DFlashBuilder(dft, dcfg, tgt, tcfg)
@@ -187,7 +188,7 @@ def open_engine(target, draft=None, *, n_ctx: int = DEFAULT_CTX, n_max: int = 15
     configs = {role: dataclasses.asdict(c) for role, c in pair.configs.items()}
     meta = pair.files["target"].metadata if load_tokenizer else None
     return make_engine(programs, n_ctx=n_ctx, n_max=n_max, draft_cfg=configs.get("draft"), target_meta=meta,
-                       target_source=str(pair.files["target"].path), draft_vocab=_draft_vocab(pair.files, configs))
+                       target_source=str(pair.files["target"].path), draft_vocab=pair.draft_vocab)
 
 
 def _draft_vocab(files: Mapping[str, Any], configs: Mapping[str, Mapping[str, Any]]):

@@ -55,6 +55,19 @@ def test_logits_are_the_full_heads_columns_and_proposals_their_ids(files):
     assert red["proposals"].dtype == full["proposals"].dtype == np.int32
 
 
+def test_an_engine_reads_the_d2t_ids_once_from_its_pair(files, monkeypatch):
+    """open_pair validates the ids and keeps them (pair.draft_vocab); open_engine's draft
+    maps its proposals through those, not a second read of the file."""
+    from dflash_ir.models import draft_vocab
+
+    target, _, reduced = files
+    reads = []
+    read = draft_vocab.read_d2t
+    monkeypatch.setattr(draft_vocab, "read_d2t", lambda *a: reads.append(a) or read(*a))
+    assert np.array_equal(open_pair(target, reduced).draft_vocab, IDS) and len(reads) == 1
+    assert np.array_equal(open_engine(target, reduced).draft.vocab, IDS) and len(reads) == 2
+
+
 @pytest.mark.parametrize("holds_text", [True, False])
 def test_greedy_output_is_the_targets_whether_or_not_the_head_holds_the_text(agreeing_pair, tmp_path, holds_text):
     """A draft agreeing on 5 proposals a round keeps them all with a head holding the text's

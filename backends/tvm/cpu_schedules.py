@@ -1,7 +1,8 @@
 """Hand-scheduled TensorIR for CPUs: the products of every block type and of f32, f16 and
-bf16 weights, the Q8_0 expert products, those of a Q8_0 x over Q8_0 weights (integer block
-sums, q8_product_nest), attention and the gated delta rule as explicit loop nests (dlight's
-CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native OpenCL kernels here), for the llvm target and for OpenCL C on a CPU device: what differs
+bf16 weights, dense and a MoE's experts, those of a Q8_0 x over the quant.Q8_X_TYPES weights
+(integer sub-block sums, q8_product_nest), attention and the gated delta rule as explicit
+loop nests (dlight's CPU rules ran them 16-110x, 29-52x, 14-84x and 12-29x behind the native
+OpenCL kernels here), for the llvm target and for OpenCL C on a CPU device: what differs
 between the two (the task loop, f16, prefetches, ...) is a primitive of nest_targets.py.
 
 The Q8_0 product:
@@ -175,7 +176,7 @@ class _Dp4Text(_BlockText):
     (lane c column c), every byte index the same for all columns, so a decoder's arithmetic
     runs lane-wise as it is written."""
 
-    lanes = f"float32x{LANES}"
+    f32_type = f"float32x{LANES}"
 
     def __init__(self, block: str, words: Dp4Words, nbytes: int):
         self.block, self.words, self.tail_at = block, words, nbytes - words.tail
@@ -261,8 +262,8 @@ def _q8_pass(rows: int, cols: int, runs: int, n: int, k: int, row, x_row, group:
     def xb(r: int, at: str = run) -> str:  # x's block `at` of pass row r
         return f"(({x_row(row(r))}) * {blocks} + {at}) * 34"
 
-    def xs(r: int, h: int) -> str:  # Σq of x's sub-block h of block `run`, pass row r
-        return f"xs[{r * blocks * halves} + ({run}) * {halves} + {h}]"
+    def xs(r: int, h: int, at: str = run) -> str:  # Σq of x's sub-block h of block `at`, pass row r
+        return f"xs[{r * blocks * halves} + ({at}) * {halves} + {h}]"
 
     def vec(buf: str, j) -> str:  # vector j of buf
         return f"{buf}[T.Ramp({j} * {LANES}, 1, {LANES})]"
@@ -290,14 +291,14 @@ def _q8_pass(rows: int, cols: int, runs: int, n: int, k: int, row, x_row, group:
         first, second = quants(xb(r, "b") + " + 2"), quants(xb(r, "b") + " + 18")
         for h, sums in enumerate([f"{first} + {second}"] if halves == 1 else [first, second]):
             lines += [f"    {vec('xsum', 0)} = {sums}", *_indent(_vector_fold("xsum", LANES, "+"), 1),
-                      f"    xs[{r * blocks * halves} + b * {halves} + {h}] = xsum[0]"]
+                      f"    {xs(r, h, 'b')} = xsum[0]"]
     step = []
     for h in range(halves):
         parts = [f"{vec('scale', 'j')} = {scale_of(reader, s * halves + h)}"]
         parts += [f"{vec('offset', 'j')} = {offset_of(reader, s * halves + h)}"] if offset_of else []
         step += [f"for j in T.unroll({cols}):", *_indent(parts, 1)]
         for r in range(rows):
-            start = f"xs[{r * blocks * halves} + ({run}) * {halves} + {h}] * -{words.bias}" if words.bias else "0"
+            start = f"{xs(r, h)} * -{words.bias}" if words.bias else "0"
             step += [f"for l in vectorized({cols * LANES}):", f"    dot{r}[l] = {start}"]
             step += [f"dxs[{r}] = dx[{r}] * T.Cast(\"float32\", {xs(r, h)})"] if offset_of else []
         q = f"{h * quads} + q4" if h else "q4"
@@ -306,7 +307,7 @@ def _q8_pass(rows: int, cols: int, runs: int, n: int, k: int, row, x_row, group:
         for r in range(rows):
             step += [f"    for j in T.unroll({cols}):", *_indent(dot(r, q), 2)]
         for r in range(rows):
-            minimum = " + offset[l] * dxs[{r}]".format(r=r) if offset_of else ""
+            minimum = f" + offset[l] * dxs[{r}]" if offset_of else ""
             step += [f"for l in vectorized({cols * LANES}):",
                      f'    acc{r}[l] = acc{r}[l] + T.Cast("float32", dot{r}[l]) * (scale[l] * dx[{r}]){minimum}']
     walk = [f"for b in range({k // dtype.block_size}):"] + ([f"    for s in T.unroll({per_block}):"] if per_block > 1 else [])

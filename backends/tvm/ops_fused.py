@@ -22,8 +22,10 @@ def fused_moe(ctx: TVMNodeCtx) -> None:
     """On the cpu profile: the router product, one kernel routing each row (moe_route: the
     softmax, top-k and renormalisation, and the shared expert's sigmoid gate), the expert and
     shared products with SwiGLU (quantised in the same kernel where down reads Q8_0), and
-    one kernel combining each output (moe_combine): 13 launches a call where the parts take
-    25, the same arithmetic in the same order. Other profiles: the parts."""
+    one kernel combining each output (moe_combine): 12 launches a call where the parts take
+    22 (24 where down reads Q8_0). The arithmetic is the parts' in their order, but
+    for the gate's dot product, summed in order here (a product nest's lanes there): results
+    agree to rounding (tests/kernel_cases.py). Other profiles: the parts."""
     if ctx.profile != "cpu":
         fused_moe_parts(ctx)
         return
@@ -52,7 +54,8 @@ def fused_moe(ctx: TVMNodeCtx) -> None:
 def _route(ctx: TVMNodeCtx, logits, x, gate_inp, ids, weights, gate, k: int) -> None:
     """Per row: softmax of the router logits as the softmax kernels compute it, the top k of
     those probabilities as topk picks them, the picks renormalised to sum to one (as sum and
-    div), and sigmoid(x · gate_inp), the shared expert's gate."""
+    div), and sigmoid(x · gate_inp), the shared expert's gate (its dot product summed in
+    order)."""
     rows, experts = logits.type.shape
     width = x.type.shape[-1]
     at = f"logits[row * {experts} + j]"

@@ -193,10 +193,10 @@ class _BlockText:
     def f16(self, byte: int) -> _Text:
         return _Text(self.half(u16_at(self.buf, f"{self.block} + {byte}")))
 
-    lanes = "float32"  # the f32 type of a value read
+    f32_type = "float32"  # of a value read (a vector type where a read is 16 columns')
 
     def f32(self, x) -> _Text:
-        return _Text(f'T.Cast("{self.lanes}", {x})')
+        return _Text(f'T.Cast("{self.f32_type}", {x})')
 
     @staticmethod
     def f32_bits(x) -> _Text:

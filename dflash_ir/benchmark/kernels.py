@@ -61,8 +61,9 @@ K_QUANT_F16_FIELDS = {DType.Q4_K: (0, 2), DType.Q6_K: (208,)}
 
 
 def random_weight(rng: np.random.Generator, shape: tuple[int, ...], dtype: DType) -> np.ndarray:
-    """Storage of random `dtype` weights of values ~ 1/sqrt(K): Q8_0's as random_q8_0's, a
-    K-quant's random code and sub-scale bytes under f16 scales set to match."""
+    """Storage of random `dtype` weights (Q8_0, or a K-quant of K_QUANT_F16_FIELDS) of values
+    ~ 1/sqrt(K): Q8_0's as random_q8_0's, a K-quant's random code and sub-scale bytes under
+    f16 scales set to match."""
     if dtype is Q8:
         return random_q8_0(rng, shape)
     *lead, k = shape

@@ -4,6 +4,7 @@ them: a block type's value is its decoder from dflash_ir/blocks.py, read through
 `_BlockLoads`), and the device functions the ops share."""
 from __future__ import annotations
 
+from dflash_ir import activations
 from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 from dflash_ir.quant import COLS, Dp4Words
@@ -169,19 +170,35 @@ def _table(name: str, values: tuple) -> Function:
                     lambda kb, q: kb.array("values", F32, len(values), init=[float(v) for v in values])[q])
 
 
-def _sigmoid(kb, x: K, name: str = "e") -> K:
-    """Without overflow on either side: e^-|x| is at most 1."""
-    e = kb.let(name, call("exp", -call("fabs", x)))
-    return select(x >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
+class _KernelMath:
+    """dflash_ir/activations.py's math in a kernel. Without a builder (`KERNEL`) an expression
+    of scalars: sigmoid and softplus are calls of their one device function each (every
+    module's header holds them all, CUDA's too). With one (`inline`), written out with its
+    temporaries as statements: device functions take scalars, so vectors take this form."""
+
+    def __init__(self, kb=None, name: str = "e"):
+        self.kb, self.name = kb, name
+
+    exp, fabs, log1p = (staticmethod(lambda x, f=f: call(f, x)) for f in ("exp", "fabs", "log1p"))
+    maximum, select = staticmethod(maximum), staticmethod(select)
+
+    def let(self, x: K) -> K:
+        return self.kb.let(self.name, x) if self.kb is not None else x
+
+    def sigmoid(self, x: K) -> K:
+        return activations.sigmoid(self, x) if self.kb is not None else call_function(SIGMOID, x)
+
+    def softplus(self, x: K) -> K:
+        return activations.softplus(self, x) if self.kb is not None else call_function(SOFTPLUS, x)
 
 
-def silu_lanes(kb, x: K, name: str) -> K:
-    """x · sigmoid(x) of a vector x, SIGMOID's arithmetic written out in the kernel (device
-    functions take scalars: every module's header holds them all, CUDA's too); `name`
-    names its temporary."""
-    return x * _sigmoid(kb, x, name)
+KERNEL = _KernelMath()
 
 
-SIGMOID = function("sigmoid", [("x", F32)], _sigmoid)
-SOFTPLUS = function("softplus", [("x", F32)],
-                    lambda kb, x: maximum(x, 0.0) + call("log1p", call("exp", -call("fabs", x))))
+def inline(kb, name: str) -> _KernelMath:
+    """The math written out in kb, its temporaries named `name` (unique per use in a scope)."""
+    return _KernelMath(kb, name)
+
+
+SIGMOID = function("sigmoid", [("x", F32)], lambda kb, x: activations.sigmoid(inline(kb, "e"), x))
+SOFTPLUS = function("softplus", [("x", F32)], lambda kb, x: activations.softplus(inline(kb, "e"), x))

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from dflash_ir import activations
 from dflash_ir.ir import Value
 from dflash_ir.ops.fused import attention_inputs
 from dflash_ir.ops.position import frequency_components, inv_freq_f32
@@ -45,7 +46,7 @@ from dflash_ir.types import Dim
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, maximum, minimum, select, vsum
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
-from .access import SIGMOID, read, weight_at, write
+from .access import KERNEL, read, weight_at, write
 from .position import RotaryPairs
 from .shapes import FLAT, cdiv, flat_index, prod
 
@@ -273,7 +274,8 @@ class _Attention:
     def store_out(self, row: K, h: K, c: K, value: K) -> None:
         """Output element (row, h, c): the attention value, times sigmoid(gate) when gated."""
         if self.gated:
-            value = value * call_function(SIGMOID, self.q[_head_start(row, self.H, h, self.q_width) + dim(self.D) + c])
+            value = activations.sigmoid_gate(
+                KERNEL, value, self.q[_head_start(row, self.H, h, self.q_width) + dim(self.D) + c])
         self.out[_head_start(row, self.H, h, self.DV) + c] = value
 
     # -- GPU: a work-group per (row, head) ---------------------------------------------------

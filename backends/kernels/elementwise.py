@@ -2,37 +2,32 @@
 time into index expressions."""
 from __future__ import annotations
 
+from dflash_ir import activations
 from dflash_ir.dtypes import DType
 
-from ..kir import F32, I32, call, call_function, cast
+from ..kir import F32, I32, cast
 from ..lowering import NodeCtx, lowers
-from .access import SIGMOID, SOFTPLUS, read, write
+from .access import KERNEL, read, write
 from .shapes import broadcast_index, flat_launch
 
-_BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-           "div": lambda a, b: a / b, "swiglu": lambda a, b: a * call_function(SIGMOID, a) * b,
-           "sigmoid_gate": lambda a, b: a * call_function(SIGMOID, b)}
-_UNARY = {"neg": lambda a: -a, "exp": lambda a: call("exp", a), "sigmoid": lambda a: call_function(SIGMOID, a),
-          "silu": lambda a: a * call_function(SIGMOID, a), "softplus": lambda a: call_function(SOFTPLUS, a)}
 
-
-@lowers(*_BINARY)
+@lowers(*activations.BINARY)
 def binary(ctx: NodeCtx) -> None:
     a, b = ctx.ins
     shape = ctx.outs[0].type.shape
-    fn = _BINARY[ctx.node.op]
+    fn = activations.BINARY[ctx.node.op]
 
     def compute(kb, i, xs, out):
-        out[i] = fn(xs[0][broadcast_index(i, shape, a.type.shape)], xs[1][broadcast_index(i, shape, b.type.shape)])
+        out[i] = fn(KERNEL, *(x[broadcast_index(i, shape, v.type.shape)] for x, v in zip(xs, (a, b))))
     flat_launch(ctx, compute)
 
 
-@lowers(*_UNARY)
+@lowers(*activations.UNARY)
 def unary(ctx: NodeCtx) -> None:
-    fn = _UNARY[ctx.node.op]
+    fn = activations.UNARY[ctx.node.op]
 
     def compute(kb, i, xs, out):
-        out[i] = fn(xs[0][i])
+        out[i] = fn(KERNEL, xs[0][i])
     flat_launch(ctx, compute)
 
 

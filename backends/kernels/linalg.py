@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from dflash_ir import activations
 from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
@@ -24,7 +25,7 @@ from ..kir import (F32, I32, I64, K, call, call_function, cast, const, dot4_i8, 
                    vsum)
 from ..kir.build import Array, Buffer, KernelBuilder
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
-from .access import Q8_BLOCK, SIGMOID, Cols16Loads, Dp4Loads, q8_row_bytes, weight_at, weight_chunk
+from .access import KERNEL, Q8_BLOCK, Cols16Loads, Dp4Loads, q8_row_bytes, weight_at, weight_chunk
 from dflash_ir.quant import COLS_BLOCK_BYTES, DP4_TYPES, TILED_BLOCK_TYPES, cols16_layout
 from .fused import fused_matmul_parts
 from .reduce import LANES, inverse_rms, inverse_rms_lanes, row_per_item, row_threads
@@ -333,7 +334,7 @@ def _gemv_rows(kb: KernelSpec, g: Gemv, rows: int, count: K, n_total: K, n: K, r
                 store(row, n, dots[0])
             else:
                 gate = kb.let("gate", dots[0])
-                store(row, n, gate * call_function(SIGMOID, gate) * dots[1])
+                store(row, n, activations.swiglu(KERNEL, gate, dots[1]))
 
 
 def _gemv_inverse_rms(kb: KernelSpec, g: Gemv, rows: int, count: K, r0: K, x: Buffer, xrow: Callable[[K], K],
@@ -949,7 +950,7 @@ def _store_member(kb: KernelBuilder, t: Tiled, i: int, out: Buffer, row: K, unit
             at = cast(I64, row) * width + (unit - first) * COLS + e
             value = lanes[e]
             if t.swiglu:
-                value = value * call_function(SIGMOID, value) * up_lanes[e]
+                value = activations.swiglu(KERNEL, value, up_lanes[e])
             out[at] = value + residual[at] if residual is not None else value
 
     if t.n_outs == 1:

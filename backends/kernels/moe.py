@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from dflash_ir import activations
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 from dflash_ir.quant import COLS_BLOCK_BYTES, cols16_layout
@@ -49,7 +50,7 @@ from dflash_ir.types import TensorType
 from ..kir import F32, I32, I64, K, call, call_function, cast, const, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
-from .access import SIGMOID, weight_at
+from .access import KERNEL, weight_at
 from .fused import fused_moe_parts
 from .linalg import (COLS, ROWWISE_COLS, Gemv, _gemv, _rowwise, clamp_to_last, dp4_tiles, group_bytes, rowwise_groups,
                      store_q8_vectors, tile_sums, tiled)
@@ -312,7 +313,7 @@ def _lanes_out(kb: KernelSpec, sums: list[K], count: K | int, write: Callable[[K
 
 
 def _swiglu(g: K, up: K) -> K:
-    return g * call_function(SIGMOID, g) * up
+    return activations.swiglu(KERNEL, g, up)
 
 
 # -- fused_moe ------------------------------------------------------------------------------
@@ -484,7 +485,7 @@ def _route(ctx: NodeCtx, x_value: Value, source: Value, gate_inp: Value, ids_val
             kb.set(chosen, chosen + top[p])
         with kb.loop("p", 0, k) as p:
             wts[row * (k + 1) + p] = top[p] / chosen
-        wts[row * (k + 1) + k] = call_function(SIGMOID, shared)
+        wts[row * (k + 1) + k] = KERNEL.sigmoid(shared)
     kb.launch([prod([T])])
 
 

@@ -7,13 +7,14 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
+from dflash_ir import activations
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 
 from ..kir import F32, I64, K, call, call_function, cast, const, minimum, select, vsum
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, NodeCtxBase, dim, lowers
-from .access import SIGMOID, SOFTPLUS, silu_lanes, weight_at
+from .access import KERNEL, inline, weight_at
 from .shapes import FLAT, cdiv, pow2_threads
 
 
@@ -74,7 +75,7 @@ def causal_conv1d(ctx: NodeCtx) -> None:
     with kb.loop("j", 0, width) as j:
         r = kb.let("r", row + j)
         kb.set(acc, acc + xx(r) * weight_at(w_value.type.dtype, w, ch, j, width))
-    states.out[i] = acc * call_function(SIGMOID, acc) if ctx.attr.get("activation", "none") == "silu" else acc
+    states.out[i] = activations.silu(KERNEL, acc) if ctx.attr.get("activation", "none") == "silu" else acc
     with kb.if_(row.eq(T - 1)), kb.loop("e", 0, K1) as e:
         states.new[e * C + ch] = xx(row + 1 + e)
     kb.launch([cdiv(T * C, FLAT)])
@@ -134,8 +135,7 @@ def plain_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
 
 def _gates(gate_a: Buffer, gate_b: Buffer, dt_bias: Buffer, ssm_a: Buffer, hv: int, t: K, h: K) -> tuple[K, K]:
     """The decay e^(softplus(a + dt_bias) · ssm_a) and β = sigmoid(b) of token t, v head h."""
-    return (call("exp", call_function(SOFTPLUS, gate_a[t * hv + h] + dt_bias[h]) * ssm_a[h]),
-            call_function(SIGMOID, gate_b[t * hv + h]))
+    return call("exp", KERNEL.softplus(gate_a[t * hv + h] + dt_bias[h]) * ssm_a[h]), KERNEL.sigmoid(gate_b[t * hv + h])
 
 
 def fused_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
@@ -195,7 +195,7 @@ class Conv:
 
     def silu(self, kb: KernelSpec, t: K, ch: K) -> K:
         conv = self.raw(kb, t, ch)
-        return conv * call_function(SIGMOID, conv)
+        return activations.silu(KERNEL, conv)
 
     def key_channels(self, kb: KernelSpec):
         """Loop over this work-item's share i of the 2·dk q and k channels of its k head."""
@@ -247,7 +247,7 @@ def conv_reads(kb: KernelSpec, conv: Conv, gates: Callable[[K, K], tuple[K, K]],
             with kb.loop("i", 0, 2 * dk, lanes) as i:
                 with kb.loop("l", 0, lanes) as j:
                     qk[i + j] = conv.raw(kb, t, kb.let("ch", conv.qk_channel(kh, i + j)))
-                kb.set(qk.vec(i, lanes), silu_lanes(kb, qk.vec(i, lanes), "qke"))
+                kb.set(qk.vec(i, lanes), activations.silu(inline(kb, "qke"), qk.vec(i, lanes)))
         else:
             with conv.key_channels(kb) as i:
                 qk[i] = conv.silu(kb, t, kb.let("ch", conv.qk_channel(kh, i)))
@@ -305,12 +305,12 @@ class NormGate:
         """The output at value column c from y · r (and silu(z) at c, if taken already)."""
         if gate is None:
             z = kb.let("zg", self.z[self._z(t, h, c)])
-            gate = z * call_function(SIGMOID, z)
+            gate = activations.silu(KERNEL, z)
         return scaled * weight_at(self.w_dtype, self.w, const(0), c, self.dv) * gate
 
     def gates(self, kb: KernelSpec, t: K, h: K, c: K, lanes: int) -> K:
         """silu(z) at value columns c .. c + lanes - 1, as one vector."""
-        return silu_lanes(kb, kb.let("zv", self.z.load(self._z(t, h, c), lanes=lanes)), "ze")
+        return activations.silu(inline(kb, "ze"), kb.let("zv", self.z.load(self._z(t, h, c), lanes=lanes)))
 
 
 @dataclass(frozen=True)
@@ -577,7 +577,7 @@ def _cpu_vector_body(kb: KernelSpec, rule: DeltaRule, dv: int, lanes: int) -> No
                 with kb.loop("c", 0, dv, lanes) as c:
                     with kb.loop("l", 0, lanes) as j:
                         vv[c + j] = reads.v_raw(c + j)
-                    kb.set(vv.vec(c, lanes), silu_lanes(kb, vv.vec(c, lanes), "ve"))
+                    kb.set(vv.vec(c, lanes), activations.silu(inline(kb, "ve"), vv.vec(c, lanes)))
             for g in groups:
                 sk = {i: kb.let(f"sk{i}", cast(V, 0.0)) for i in g}
                 with kb.loop("e", 0, DK) as e:

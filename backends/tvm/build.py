@@ -174,12 +174,25 @@ def _one_thread_per_point(func):
     return sch.mod["main"]
 
 
+@functools.cache
+def _opencl_log1p() -> None:
+    """TVM's OpenCL C spells log1p as C's `log1pf`, which OpenCL C does not have; its name
+    there is `log1p` (softplus uses it: dflash_ir/activations.py)."""
+    from tvm import tirx
+    from tvm.tirx.op import register_intrin_lowering
+
+    register_intrin_lowering("tirx.log1p", target="opencl", level=99,
+                             f=lambda call: tirx.call_pure_extern(str(call.ty), "log1p", *call.args))
+
+
 def _lower_gpu(kind: str, kernels: Mapping[str, PrimKernel], nests: NestTarget | None
                ) -> tuple[str, dict[str, list[DeviceKernel]]]:
     from tvm.tirx.build import codegen_build
 
     if not kernels:  # a graph of views only
         return "", {}
+    if kind == "opencl":
+        _opencl_log1p()
     _, device_target, device_mod, launches = scheduled_device(TARGETS[kind], kernels, nests=nests)
     if nests and nests.device_rewrite:
         device_mod = nests.device_rewrite(device_mod)

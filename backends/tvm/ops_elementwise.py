@@ -1,23 +1,16 @@
 """Elementwise ops as one spatial block over the output, broadcasting resolved into indices."""
 from __future__ import annotations
 
+from dflash_ir import activations
 from dflash_ir.dtypes import DType
 
 from .lowering import TVMNodeCtx, lowers
-from .tir import block, broadcast, dim, f32, flat, float_to_half, half_to_float, sigmoid, swiglu
+from .tir import activation, block, broadcast, dim, f32, flat, float_to_half, half_to_float
 
 
 def axes(shape) -> list[tuple[str, str]]:
     """(block var, extent) per output dim."""
     return [(f"v{a}", dim(d)) for a, d in enumerate(shape)]
-
-
-_BINARY = {"add": lambda a, b: f"{a} + {b}", "sub": lambda a, b: f"{a} - {b}", "mul": lambda a, b: f"{a} * {b}",
-           "div": lambda a, b: f"{a} / {b}", "swiglu": swiglu,
-           "sigmoid_gate": lambda a, b: f"{a} * {sigmoid(b)}"}
-_UNARY = {"neg": lambda a: f"-{a}", "exp": lambda a: f"T.exp({a})", "sigmoid": sigmoid,
-          "silu": lambda a: f"{a} * {sigmoid(a)}",
-          "softplus": lambda a: f"T.max({a}, T.float32(0)) + T.log(T.float32(1) + T.exp(-T.fabs({a})))"}
 
 
 def spatial(ctx: TVMNodeCtx, op: str, inputs, out, value) -> None:
@@ -33,16 +26,10 @@ def spatial(ctx: TVMNodeCtx, op: str, inputs, out, value) -> None:
     ctx.kernel(op, [(f"x{n}", v, False) for n, v in enumerate(inputs)] + [("out", out, True)], block(grid, body))
 
 
-@lowers(*_BINARY)
-def binary(ctx: TVMNodeCtx) -> None:
-    fn = _BINARY[ctx.node.op]
-    spatial(ctx, ctx.node.op, ctx.ins, ctx.outs[0], lambda r: fn(r(0), r(1)))
-
-
-@lowers(*_UNARY)
-def unary(ctx: TVMNodeCtx) -> None:
-    fn = _UNARY[ctx.node.op]
-    spatial(ctx, ctx.node.op, ctx.ins, ctx.outs[0], lambda r: fn(r(0)))
+@lowers(*activations.BINARY, *activations.UNARY)
+def elementwise(ctx: TVMNodeCtx) -> None:
+    op = ctx.node.op
+    spatial(ctx, op, ctx.ins, ctx.outs[0], lambda r: activation(op, *(r(n) for n in range(len(ctx.ins)))))
 
 
 @lowers("scale")

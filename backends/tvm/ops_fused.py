@@ -12,7 +12,7 @@ from ..kernels.fused import fused_matmul_parts, fused_moe_parts
 from .lowering import TVMNodeCtx, lowers
 from .ops_linalg import quantize_rows
 from .ops_reduce import topk_lines
-from .tir import block, dim, f32, sigmoid, swiglu
+from .tir import activation, block, dim, f32
 
 lowers("fused_matmul")(fused_matmul_parts)
 
@@ -67,7 +67,7 @@ def _route(ctx: TVMNodeCtx, logits, x, gate_inp, ids, weights, gate, k: int) -> 
         "st[0] = T.float32(0)", f"for q in range({k}):", "    st[0] = st[0] + top[q]",
         f"for q in range({k}):", f"    weights[row * {k} + q] = top[q] / st[0]",
         "st[1] = T.float32(0)", f"for c in range({width}):", f"    st[1] = st[1] + x[row * {width} + c] * gate_inp[c]",
-        f"gate[row] = {sigmoid('st[1]')}"])
+        f"gate[row] = {activation('sigmoid', 'st[1]')}"])
     ctx.sequential("moe_route", [("logits", logits, False), ("x", x, False), ("gate_inp", gate_inp, False),
                                  ("ids", ids, True), ("weights", weights, True), ("gate", gate, True)],
                    [("row", dim(rows))], body, [("st", 4), ("p", experts), ("top", k)])
@@ -76,5 +76,6 @@ def _route(ctx: TVMNodeCtx, logits, x, gate_inp, ids, weights, gate, k: int) -> 
 def _swiglu_q8_0(ctx: TVMNodeCtx, g, u):
     """SwiGLU of gate and up products quantised to Q8_0 in one kernel (swiglu's arithmetic)."""
     out = ctx.temp(TensorType(DType.Q8_0, g.type.shape))
-    quantize_rows(ctx, "swiglu_quantize_q8_0", [("g", g), ("u", u)], lambda at: swiglu(f"g[{at}]", f"u[{at}]"), out)
+    quantize_rows(ctx, "swiglu_quantize_q8_0", [("g", g), ("u", u)],
+                  lambda at: activation("swiglu", f"g[{at}]", f"u[{at}]"), out)
     return out

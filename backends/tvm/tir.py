@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from dflash_ir import activations
 from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
@@ -76,15 +77,10 @@ def f32(x: float) -> str:
     return f"T.float32({float(v)!r})"
 
 
-def sigmoid(a: str) -> str:
-    """The reference's stable sigmoid (dflash_ir.ops.elementwise.sigmoid_f32)."""
-    e = f"T.exp(-T.fabs({a}))"
-    return f"T.if_then_else({a} >= T.float32(0), T.float32(1) / (T.float32(1) + {e}), {e} / (T.float32(1) + {e}))"
-
-
-def swiglu(a: str, b: str) -> str:
-    """silu(a) * b, as the reference computes it (a * sigmoid(a) * b)."""
-    return f"{a} * {sigmoid(a)} * {b}"
+def activation(name: str, *operands: str) -> str:
+    """Elementwise op `name` of dflash_ir/activations.py (sigmoid, swiglu, ...) over text
+    operands, as TVMScript text."""
+    return str((activations.UNARY | activations.BINARY)[name](TIR, *map(_Text, operands)))
 
 
 def round_half_away(v: str) -> str:
@@ -127,7 +123,8 @@ class _Text(str):
     decoders (dflash_ir/blocks.py) use; Python ints are int32 literals."""
 
     def _bin(self, fmt: str, other, swap: bool = False) -> "_Text":
-        a, b = (str(other), str(self)) if swap else (str(self), str(other))
+        other = f32(other) if isinstance(other, float) else str(other)
+        a, b = (other, str(self)) if swap else (str(self), other)
         return type(self)(fmt.format(a, b))
 
     def __add__(self, o): return self._bin("({} + {})", o)
@@ -141,8 +138,40 @@ class _Text(str):
     def __and__(self, o): return self._bin("T.bitwise_and({}, {})", o)
     def __or__(self, o): return self._bin("T.bitwise_or({}, {})", o)
     def __xor__(self, o): return self._bin("T.bitwise_xor({}, {})", o)
+    def __truediv__(self, o): return self._bin("({} / {})", o)
+    def __rtruediv__(self, o): return self._bin("({} / {})", o, True)
     def __lt__(self, o): return self._bin("({} < {})", o)
+    def __ge__(self, o): return self._bin("({} >= {})", o)
     def __neg__(self): return _Text(f"(-{self})")
+
+
+class _TirMath:
+    """dflash_ir/activations.py's math as TVMScript text: one expression (a let is its text
+    repeated; TVM's common subexpression elimination finds it) and selects, not
+    if_then_else (a select stays one vector op when TVM vectorises)."""
+
+    exp, fabs, log1p = (staticmethod(lambda x, f=f: _Text(f"T.{f}({x})")) for f in ("exp", "fabs", "log1p"))
+
+    @staticmethod
+    def maximum(a, b) -> _Text:
+        return _Text(f"T.max({a}, {f32(b) if isinstance(b, float) else b})")
+
+    @staticmethod
+    def select(cond, a, b) -> _Text:
+        return _Text(f"T.Select({cond}, {a}, {b})")
+
+    @staticmethod
+    def let(x):
+        return x
+
+    def sigmoid(self, x) -> _Text:
+        return activations.sigmoid(self, x)
+
+    def softplus(self, x) -> _Text:
+        return activations.softplus(self, x)
+
+
+TIR = _TirMath()
 
 
 class _IndexText(_Text):

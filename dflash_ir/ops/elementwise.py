@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import activations
+from ..activations import NUMPY
 from ..dtypes import DType
 from ..types import TensorType
 from .rules import broadcast_shapes, check, choice_attr, defop, expect_dtype, number_attr
@@ -10,49 +12,43 @@ from .rules import broadcast_shapes, check, choice_attr, defop, expect_dtype, nu
 F32 = np.float32
 
 
-def _binary(name: str, ufunc, symbol: str, dtypes: tuple[DType, ...]) -> None:
+def _binary(name: str, symbol: str, dtypes: tuple[DType, ...]) -> None:
     def rule(a: TensorType, b: TensorType) -> TensorType:
         expect_dtype("a", a, *dtypes)
         check(a.dtype == b.dtype, f"operand dtypes differ: {a} vs {b}")
         return TensorType(a.dtype, broadcast_shapes(a.shape, b.shape))
 
     def reference(a, b):
-        return np.asarray(ufunc(a, b))
+        return np.asarray(activations.BINARY[name](NUMPY, np.asarray(a), np.asarray(b)))
 
     reference.__doc__ = f"a {symbol} b with numpy broadcasting; both operands have the same dtype."
     defop(name, rule)(reference)
 
 
 # integer add/sub/mul serve index arithmetic (positions, offsets); division is f32 only
-_binary("add", np.add, "+", (DType.F32, DType.I32))
-_binary("sub", np.subtract, "-", (DType.F32, DType.I32))
-_binary("mul", np.multiply, "*", (DType.F32, DType.I32))
-_binary("div", np.divide, "/", (DType.F32,))
+_binary("add", "+", (DType.F32, DType.I32))
+_binary("sub", "-", (DType.F32, DType.I32))
+_binary("mul", "*", (DType.F32, DType.I32))
+_binary("div", "/", (DType.F32,))
 
 
-def sigmoid_f32(x: np.ndarray) -> np.ndarray:
-    """1/(1+e^-x) without overflow: exp only ever sees -|x|."""
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(F32)
-
-
-def _unary(name: str, fn, doc: str) -> None:
+def _unary(name: str, doc: str) -> None:
     def rule(x: TensorType) -> TensorType:
         expect_dtype("x", x, DType.F32)
         return x
 
     def reference(x):
-        return np.asarray(fn(x), dtype=F32)
+        return np.asarray(activations.UNARY[name](NUMPY, np.asarray(x)), dtype=F32)
 
     reference.__doc__ = doc
     defop(name, rule)(reference)
 
 
-_unary("neg", np.negative, "-x.")
-_unary("exp", np.exp, "e^x.")
-_unary("sigmoid", sigmoid_f32, "1/(1+e^-x), overflow-free.")
-_unary("silu", lambda x: x * sigmoid_f32(x), "x*sigmoid(x).")
-_unary("softplus", lambda x: np.logaddexp(F32(0), x), "log(1+e^x) as logaddexp(0, x): stable for large |x|.")
+_unary("neg", "-x.")
+_unary("exp", "e^x.")
+_unary("sigmoid", "1/(1+e^-x), overflow-free.")
+_unary("silu", "x*sigmoid(x).")
+_unary("softplus", "log(1+e^x), stable for large |x|.")
 
 
 def _scale_rule(x: TensorType, *, factor) -> TensorType:

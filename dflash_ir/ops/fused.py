@@ -10,11 +10,12 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import activations
+from ..activations import NUMPY
 from ..dtypes import DType
 from ..quant import quantize_q8_0
 from ..types import TensorType
 from .attention import attention, kv_write
-from .elementwise import sigmoid_f32
 from .linalg import as_f32, expert_matmul, matmul
 from .position import rope
 from .recurrent import causal_conv1d, gated_delta_rule
@@ -114,7 +115,7 @@ def fused_attention(*inputs, eps, n_rot, theta, sections=(), interleaved=False, 
     o = attention(q_rot, k_all, v_all, x["kv_len"], scale=scale, causal=causal, window=window)
     o = o.reshape(o.shape[0], -1)
     if gated:
-        o = np.asarray(o * sigmoid_f32(q[..., d:].reshape(o.shape)))
+        o = np.asarray(activations.sigmoid_gate(NUMPY, o, q[..., d:].reshape(o.shape)))
     return (o, k_all, v_all) if persist else o
 
 
@@ -235,15 +236,12 @@ def fused_moe(x, router_w, gate_exps, up_exps, down_exps, shexp_gate_w, shexp_up
 
     def down_input(act: np.ndarray) -> np.ndarray:
         return act if xq is None else quantize_q8_0(act)
-    act = _silu(expert_matmul(src, gate_exps, ids)) * expert_matmul(src, up_exps, ids)
+    act = activations.swiglu(NUMPY, expert_matmul(src, gate_exps, ids), expert_matmul(src, up_exps, ids))
     routed = sum_(expert_matmul(down_input(act), down_exps, ids) * weights.reshape(len(x), k, 1), axis=1)
-    shared = matmul(down_input(_silu(matmul(src, shexp_gate_w)) * matmul(src, shexp_up_w)), shexp_down_w)
-    shared_gate = sigmoid_f32(matmul(x, as_f32(shexp_gate_inp_w).reshape(1, -1)))
+    shared = matmul(down_input(activations.swiglu(NUMPY, matmul(src, shexp_gate_w), matmul(src, shexp_up_w))),
+                    shexp_down_w)
+    shared_gate = activations.sigmoid(NUMPY, matmul(x, as_f32(shexp_gate_inp_w).reshape(1, -1)))
     return np.asarray(routed + shared * shared_gate)
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x * sigmoid_f32(x), dtype=F32)
 
 
 def _gate_rule(x: TensorType, g: TensorType) -> TensorType:
@@ -254,10 +252,10 @@ def _gate_rule(x: TensorType, g: TensorType) -> TensorType:
 @defop("swiglu", _gate_rule)
 def swiglu(a, b):
     """silu(a) * b, numpy broadcasting."""
-    return np.asarray(_silu(a) * b)
+    return np.asarray(activations.swiglu(NUMPY, np.asarray(a), np.asarray(b)))
 
 
 @defop("sigmoid_gate", _gate_rule)
 def sigmoid_gate(x, g):
     """x * sigmoid(g), numpy broadcasting."""
-    return np.asarray(x * sigmoid_f32(g))
+    return np.asarray(activations.sigmoid_gate(NUMPY, np.asarray(x), np.asarray(g)))

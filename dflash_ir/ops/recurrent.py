@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import activations
+from ..activations import NUMPY
 from ..dtypes import DType
 from ..types import TensorType
-from .elementwise import sigmoid_f32
 from .linalg import as_f32
 from .rules import (
     WEIGHT_DTYPES,
@@ -60,7 +61,7 @@ def causal_conv1d(x, w, state, *, activation="none"):
     windows = np.lib.stride_tricks.sliding_window_view(rows, width, axis=0)  # [T, C, K]
     y = np.sum(windows * as_f32(w), axis=-1, dtype=F32)
     if activation == "silu":
-        y = np.asarray(y * sigmoid_f32(y), dtype=F32)
+        y = np.asarray(activations.silu(NUMPY, y), dtype=F32)
     return y, rows[len(x):].copy()
 
 

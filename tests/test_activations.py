@@ -10,8 +10,7 @@ import pytest
 
 from dflash_ir import activations
 from dflash_ir.activations import NUMPY
-from dflash_ir.backends import kernels  # noqa: F401  (registers the kernel lowerings)
-from dflash_ir.backends.kernels import elementwise
+from dflash_ir.backends.kernels import elementwise  # the package: every kernel lowering registered
 from dflash_ir.backends.lowering import LOWERINGS
 from dflash_ir.backends.tvm import ops_elementwise
 from dflash_ir.backends.tvm.lowering import TVM_LOWERINGS

@@ -43,7 +43,7 @@ from dflash_ir.ops.fused import attention_inputs
 from dflash_ir.ops.position import frequency_components, inv_freq_f32
 from dflash_ir.types import Dim
 
-from ..kir import F32, I32, I64, K, call, call_function, cast, const, maximum, minimum, select, vsum
+from ..kir import F32, I32, I64, K, call, cast, const, maximum, minimum, select, vsum
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import KERNEL, read, weight_at, write

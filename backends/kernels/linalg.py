@@ -21,8 +21,7 @@ from dflash_ir.ops.specialised import OPS
 from dflash_ir.passes.specialise_matmul import GEMV_KINDS
 from dflash_ir.types import Dim, TensorType
 
-from ..kir import (F32, I32, I64, K, call, call_function, cast, const, dot4_i8, dpbusd_at, maximum, minimum, select,
-                   vsum)
+from ..kir import F32, I32, I64, K, call, cast, const, dot4_i8, dpbusd_at, maximum, minimum, select
 from ..kir.build import Array, Buffer, KernelBuilder
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import KERNEL, Q8_BLOCK, Cols16Loads, Dp4Loads, q8_row_bytes, weight_at, weight_chunk

@@ -47,7 +47,7 @@ from dflash_ir.ir import Value
 from dflash_ir.quant import COLS_BLOCK_BYTES, cols16_layout
 from dflash_ir.types import TensorType
 
-from ..kir import F32, I32, I64, K, call, call_function, cast, const, maximum, minimum, select, vsum
+from ..kir import F32, I32, I64, K, call, cast, const, maximum, minimum, select, vsum
 from ..kir.build import Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import KERNEL, weight_at

@@ -11,7 +11,7 @@ from dflash_ir import activations
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
 
-from ..kir import F32, I64, K, call, call_function, cast, const, minimum, select, vsum
+from ..kir import F32, I64, K, call, cast, const, minimum, select, vsum
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, NodeCtxBase, dim, lowers
 from .access import KERNEL, inline, weight_at

@@ -6,7 +6,7 @@ layer with its own math and kernel expressions (backends/kernels/access.py: `KER
 `inline` for vectors) or TIR text (backends/tvm/tir.py: `TIR`). So the op's arithmetic and
 its order live here only: a backend chooses how an intrinsic is spelled, not what is
 computed. A formula uses Python's + - * / and unary -, comparisons with >=, float constants,
-and the math's methods:
+and the methods of its math (a `Math`, which has let, sigmoid and softplus already):
 
     m.exp(x), m.fabs(x), m.log1p(x)   the intrinsics, on f32
     m.maximum(a, b)                   the larger
@@ -50,9 +50,9 @@ BINARY = {"add": lambda m, a, b: a + b, "sub": lambda m, a, b: a - b, "mul": lam
           "div": lambda m, a, b: a / b, "swiglu": swiglu, "sigmoid_gate": sigmoid_gate}
 
 
-class _Numpy:
-    """The reference's math: numpy arrays (f32 stays f32: Python floats are weak scalars)."""
-    exp, fabs, log1p, maximum, select = np.exp, np.abs, np.log1p, np.maximum, staticmethod(np.where)
+class Math:
+    """What every math shares: a let that is its value (an expression language: numpy, text),
+    and sigmoid and softplus written out by their formulas. A math adds the intrinsics."""
 
     @staticmethod
     def let(x):
@@ -63,6 +63,11 @@ class _Numpy:
 
     def softplus(self, x):
         return softplus(self, x)
+
+
+class _Numpy(Math):
+    """The reference's math: numpy arrays (f32 stays f32: Python floats are weak scalars)."""
+    exp, fabs, log1p, maximum, select = np.exp, np.abs, np.log1p, np.maximum, staticmethod(np.where)
 
 
 NUMPY = _Numpy()

@@ -307,6 +307,20 @@ class Dp4Words:
         """Bytes of fields the pack's block holds before its words."""
         return self.head + (self.tail if self.order else 0)
 
+    def field_byte(self, byte, nbytes: int):
+        """Where byte `byte` of a block of `nbytes`, one of its fields, sits in the pack's
+        block: the head's where they are, the tail's after the head where the tail is packed
+        first (`order`)."""
+        if not self.order or (isinstance(byte, int) and byte < self.head):
+            return byte
+        return byte - (nbytes - self.tail) + self.head
+
+    def word_byte(self, word: Callable, byte):
+        """Byte `byte` of the block, one between its fields, from the pack's words (word(i)
+        the i-th)."""
+        at = byte - self.head
+        return (word(at >> 2) >> ((at & 3) * 8)) & 255
+
     def pack_order(self, dtype: DType) -> np.ndarray:
         """The block's words in the pack's order (all of them)."""
         order = self.order or range(self.words(dtype))

@@ -4,6 +4,8 @@ the interpreter is tests/kernel_cases.py's (the *_odd, *_broadcast, fused and GD
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,11 @@ from dflash_ir.backends.tvm.tir import activation
 from dflash_ir.ops.registry import get_op
 
 F32 = np.float32
+REPO = Path(__file__).resolve().parents[1]
+# a sigmoid or softplus written out (numpy's, the kernel layer's or TensorIR's spelling of
+# the formula's first step), or the kernel layer's device functions called past its math
+WRITTEN_OUT = re.compile(r'np\.exp\(-np\.abs|logaddexp|exp", -call\("fabs|T\.exp\(-T\.fabs|T\.log\(T\.float32\(1\)'
+                         r'|\bSIGMOID\b|\bSOFTPLUS\b')
 SWEEP = np.concatenate([np.linspace(-120, 120, 4801), [0.0, -0.0, 1e-30, -1e-30]]).astype(F32)
 
 
@@ -66,3 +73,14 @@ def test_tvm_text_is_the_formula():
     assert activation("softplus", "x") == "(T.max(x, T.float32(0.0)) + T.log1p(T.exp((-T.fabs(x)))))"
     assert activation("sigmoid", "x").startswith("T.Select((x >= T.float32(0.0)), ")
     assert activation("swiglu", "g", "u") == f"((g * {activation('sigmoid', 'g')}) * u)"
+
+
+def test_no_module_writes_an_activation_out_again():
+    """The README's claim: the references, the kernels' epilogues and gates and TVM's text
+    call the formulas; only activations.py writes them, and only the kernel layer's math
+    (access.py) calls the device functions. Every copy the formulas replaced matched."""
+    allowed = {REPO / "dflash_ir" / "activations.py", REPO / "backends" / "kernels" / "access.py"}
+    hits = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+            for folder in ("dflash_ir", "backends", "models", "passes") for path in sorted((REPO / folder).rglob("*.py"))
+            if path not in allowed for n, line in enumerate(path.read_text().splitlines(), 1) if WRITTEN_OUT.search(line)]
+    assert not hits, "\n".join(hits)

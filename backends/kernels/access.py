@@ -140,28 +140,22 @@ class Dp4Loads(Cols16Loads):
 
     def __init__(self, buf, block: K, words: Dp4Words, nbytes: int):
         super().__init__(buf, block)
-        self.layout, self.tail_at = words, nbytes - words.tail
+        self.layout, self.nbytes, self.tail_at = words, nbytes, nbytes - words.tail
 
     def word(self, i) -> K:
         """The pack block's 32-bit word i, 16 lanes."""
         return self.buf.load(self.block / 2 + self.layout.fields_first * COLS // 4 + i * COLS, "i32", COLS)
 
-    def _tail(self, byte):
-        """Where byte `byte` of the block's tail is in the pack's block (after the head, with an
-        order)."""
-        return byte - self.tail_at + self.layout.head if self.layout.order else byte
-
     def f16(self, byte: int) -> K:
         assert byte < self.layout.head or byte >= self.tail_at, f"byte {byte} is not in an f16 field"
-        return super().f16(byte if byte < self.layout.head else self._tail(byte))
+        return super().f16(self.layout.field_byte(byte, self.nbytes))
 
     def u8(self, byte) -> K:
         if self.layout.order:
             assert not isinstance(byte, int) or byte >= self.tail_at, f"byte {byte} is not in the tail's fields"
-            return super().u8(self._tail(byte))
+            return super().u8(self.layout.field_byte(byte, self.nbytes))
         assert not isinstance(byte, int) or byte >= self.layout.head, f"byte {byte} is in the f16 head"
-        at = byte - self.layout.head
-        return (self.word(at >> 2) >> ((at & 3) * 8)) & 255
+        return self.layout.word_byte(self.word, byte)
 
 
 def _table(name: str, values: tuple) -> Function:
@@ -170,7 +164,7 @@ def _table(name: str, values: tuple) -> Function:
                     lambda kb, q: kb.array("values", F32, len(values), init=[float(v) for v in values])[q])
 
 
-class _KernelMath:
+class _KernelMath(activations.Math):
     """dflash_ir/activations.py's math in a kernel. Without a builder (`KERNEL`) an expression
     of scalars: sigmoid and softplus are calls of their one device function each (every
     module's header holds them all, CUDA's too). With one (`inline`), written out with its
@@ -186,10 +180,10 @@ class _KernelMath:
         return self.kb.let(self.name, x) if self.kb is not None else x
 
     def sigmoid(self, x: K) -> K:
-        return activations.sigmoid(self, x) if self.kb is not None else call_function(SIGMOID, x)
+        return super().sigmoid(x) if self.kb is not None else call_function(SIGMOID, x)
 
     def softplus(self, x: K) -> K:
-        return activations.softplus(self, x) if self.kb is not None else call_function(SOFTPLUS, x)
+        return super().softplus(x) if self.kb is not None else call_function(SOFTPLUS, x)
 
 
 KERNEL = _KernelMath()

@@ -179,7 +179,7 @@ class _Dp4Text(_BlockText):
     f32_type = f"float32x{LANES}"
 
     def __init__(self, block: str, words: Dp4Words, nbytes: int):
-        self.block, self.words, self.tail_at = block, words, nbytes - words.tail
+        self.block, self.words, self.nbytes = block, words, nbytes
 
     def word(self, i) -> _Text:
         """The block's 32-bit word i, 16 columns'."""
@@ -189,18 +189,14 @@ class _Dp4Text(_BlockText):
         """The 16 columns' u16 field words holding byte `byte` of the pack's block."""
         return f'load_as("uint16x{LANES}", w, {self.block} + ({byte} >> 1) * {2 * LANES})'
 
-    def _tail(self, byte):
-        return byte - self.tail_at + self.words.head if self.words.order else byte
-
     def f16(self, byte: int) -> _Text:
-        return _Text(f"f16x16({self._field(byte if byte < self.words.head else self._tail(byte))})")
+        return _Text(f"f16x16({self._field(self.words.field_byte(byte, self.nbytes))})")
 
     def u8(self, byte) -> _Text:
         if self.words.order:  # the fields are the tail's
-            at = self._tail(byte)
+            at = self.words.field_byte(byte, self.nbytes)
             return (_Text(f'T.Cast("int32x{LANES}", {self._field(at)})') >> ((at & 1) * 8)) & 255
-        at = byte - self.words.head  # a byte of the words
-        return (self.word(at >> 2) >> ((at & 3) * 8)) & 255
+        return self.words.word_byte(self.word, byte)
 
 
 def q8_product_nest(m: str, n: Dim, k: Dim, vnni: bool, dtype: DType = DType.Q8_0) -> str | None:

@@ -145,10 +145,10 @@ class _Text(str):
     def __neg__(self): return _Text(f"(-{self})")
 
 
-class _TirMath:
+class _TirMath(activations.Math):
     """dflash_ir/activations.py's math as TVMScript text: one expression (a let is its text
-    repeated; TVM's common subexpression elimination finds it) and selects, not
-    if_then_else (a select stays one vector op when TVM vectorises)."""
+    repeated) and selects, not if_then_else (a select stays one vector op when TVM
+    vectorises)."""
 
     exp, fabs, log1p = (staticmethod(lambda x, f=f: _Text(f"T.{f}({x})")) for f in ("exp", "fabs", "log1p"))
 
@@ -159,16 +159,6 @@ class _TirMath:
     @staticmethod
     def select(cond, a, b) -> _Text:
         return _Text(f"T.Select({cond}, {a}, {b})")
-
-    @staticmethod
-    def let(x):
-        return x
-
-    def sigmoid(self, x) -> _Text:
-        return activations.sigmoid(self, x)
-
-    def softplus(self, x) -> _Text:
-        return activations.softplus(self, x)
 
 
 TIR = _TirMath()

@@ -42,8 +42,10 @@ class Qwen35Builder(TargetBuilder):
         """The Gated DeltaNet states after the first T rows of a verify, from the states before
         it: each layer's recurrence run again on those rows' projections (inputs named as the
         verify outputs them) exactly as the verify ran it, so the same fused kernel writes bit
-        for bit the states a decode of those rows writes. Each layer's output is an output too:
-        without it the layer would not be the layer the fusion pass recognises."""
+        for bit the states a decode of those rows writes (under q8 the verify's kernel also
+        quantises the layer's output, which the commit's leaves in f32: the same recurrence).
+        Each layer's output is an output too: without it the layer would not be the layer the
+        fusion pass recognises."""
         cfg = self.cfg
         widths = {"attn_qkv": cfg.conv_channels, "attn_gate": cfg.value_dim,
                   "ssm_alpha": cfg.ssm_dt_rank, "ssm_beta": cfg.ssm_dt_rank}

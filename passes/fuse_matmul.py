@@ -13,7 +13,10 @@ weight vectors) and writes silu(gate) * up directly. Two rules, to a fixpoint:
   Under `q8` numerics the products read quantize_q8_0(rmsnorm(x)): the quantize takes the
   norm the same way, so one kernel writes the normalised row's Q8_0 blocks;
 - `swiglu`: swiglu(p0, p1) where p0 and p1 are the two outputs of one matmul_group or
-  fused_matmul, read by nothing else, becomes that product with epilogue "swiglu".
+  fused_matmul, read by nothing else, becomes that product with epilogue "swiglu";
+- `swiglu_q8`: under `q8` numerics, quantize_q8_0 of such a product's SwiGLU (the down
+  product's x), read by nothing else, becomes its epilogue "swiglu_q8": the kernel writes the
+  Q8_0 blocks, and no launch of its own quantises them.
 Products of every stored weight type fuse (Q8_0, F16 and the block types of a Q4_K_M file):
 the GPU GEMV reads any of them; where a schedule has no fused kernel for a type (the CPU
 tiles take Q8_0 and the block types without a codebook, not F16 or IQ4_NL / IQ4_XS / MXFP4)
@@ -82,8 +85,15 @@ def _swiglu(m, emit):
     return emit.op("fused_matmul", *(emit.value(n) for n in node.inputs), **{**attrs, "epilogue": "swiglu"})
 
 
+def _swiglu_q8(m, emit):
+    product = m.node("product")
+    return emit.op("fused_matmul", *(emit.value(n) for n in product.inputs), **{**product.attr, "epilogue": "swiglu_q8"})
+
+
 RULES = [Rule("norm", P(("matmul_group", *PRODUCTS, "fused_matmul", "quantize_q8_0"), output=None), _norm),
-         Rule("swiglu", P("swiglu", V("gate"), V("up")), _swiglu)]
+         Rule("swiglu", P("swiglu", V("gate"), V("up")), _swiglu),
+         Rule("swiglu_q8", P("quantize_q8_0", P("fused_matmul", name="product", attrs={"epilogue": "swiglu"},
+                                                one_use=True)), _swiglu_q8)]
 
 
 def fuse_matmul(graph: Graph) -> Graph:

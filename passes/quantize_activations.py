@@ -10,9 +10,15 @@ types (IQ4_NL, IQ4_XS, MXFP4) keep f32 activations. A `fused_moe` whose six expe
 shared-expert weights all have Q8_0-x products takes quantize_q8_0(x) as its `xq` (they then
 quantise each SwiGLU for down too; the router and the shared gate keep x). One x is quantised
 once however many products read it (identical nodes are shared by the rewrite engine).
-Under `exact` numerics (the default) this pass does not run.
+A layer core's output that is quantised for its output projection is quantised by the core
+(`q8_out`): fused_attention's, and fused_gated_deltanet's (its rows flattened), where every
+head's row is whole Q8_0 blocks, so the kernel that makes a head's row also writes its blocks
+and no launch of its own quantises them. Under `exact` numerics (the default) this pass does
+not run.
 """
 from __future__ import annotations
+
+import math
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Graph
@@ -46,9 +52,26 @@ def _quantized_experts(m, emit):
     return {node.outputs[0]: out}
 
 
+def _quantizing_core(m, emit):
+    core, rows = m.node("core"), m.value.type.shape[0]
+    head_dim = emit.value(core.inputs[2]).type.shape[2] if core.op == "fused_attention" else \
+        core.outputs[0].type.shape[2]
+    if core.attr.get("q8_out") or not isinstance(head_dim, int) or head_dim % DType.Q8_0.block_size:
+        return None
+    if core.op == "fused_gated_deltanet" and m["flat"].type.shape != (rows, math.prod(core.outputs[0].type.shape[1:])):
+        return None
+    outs = emit.op(core.op, *(emit.value(name) for name in core.inputs), **{**core.attr, "q8_out": True})
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return {m.value: outs[0], **dict(zip(core.outputs[1:], outs[1:]))}
+
+
+_CORE_OUTPUT = P("fused_attention", name="core", one_use=True) | \
+    P("reshape", P("fused_gated_deltanet", name="core", one_use=True), name="flat", one_use=True)
+
 # (any inputs: a product's x is its first, the weights and residual follow)
 RULES = [Rule("quantize", P((*PRODUCTS, "matmul_group"), output=None), _quantized),
-         Rule("quantize_experts", P("fused_moe", output=None), _quantized_experts)]
+         Rule("quantize_experts", P("fused_moe", output=None), _quantized_experts),
+         Rule("quantizing_core", P("quantize_q8_0", _CORE_OUTPUT), _quantizing_core)]
 
 
 def quantize_activations(graph: Graph) -> Graph:

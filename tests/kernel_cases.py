@@ -27,7 +27,7 @@ from dflash_ir.dtypes import DType
 from dflash_ir.interpreter import Interpreter
 from dflash_ir.ir import Graph, Value
 from dflash_ir.ops.specialised import OPS
-from dflash_ir.quant import Q8_X_TYPES, quantize
+from dflash_ir.quant import Q8_X_TYPES, dequantize, quantize
 from quant_blocks import random_blocks
 
 F32, F16, BF16, Q8, I32 = DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32
@@ -257,6 +257,15 @@ case("fused_matmul_swiglu_q5_0_q8_x", T=9)(_fused_matmul(DType.Q5_0, (40, 40), F
 # a decode's q8 products over K-quants: one unit a work-item, the runs unrolled (linalg.BLOCK_ROW_GROUPS)
 case("fused_matmul_swiglu_q4_k_q8_x_decode")(_fused_matmul(DType.Q4_K, (40, 40), False, "swiglu", q8=True, k=512,
                                                             rows=1))
+# swiglu_q8: the SwiGLU's Q8_0 blocks written by the product (CPU tiles: through work-group memory)
+case("fused_matmul_swiglu_quantised_q8_x_decode")(_fused_matmul(Q8, (64, 64), False, "swiglu_q8", q8=True, rows=1))
+case("fused_matmul_swiglu_quantised_q8_x_verify", T=5)(_fused_matmul(Q8, (96, 96), False, "swiglu_q8", q8=True))
+case("fused_matmul_swiglu_quantised_q8_x_last_group_partial", T=3)(
+    _fused_matmul(Q8, (800, 800), False, "swiglu_q8", q8=True))
+case("fused_matmul_swiglu_quantised_q4_k_q8_x_decode")(
+    _fused_matmul(DType.Q4_K, (160, 160), False, "swiglu_q8", q8=True, k=512, rows=1))
+case("fused_matmul_swiglu_quantised_q6_k_q8_x", T=9)(
+    _fused_matmul(DType.Q6_K, (96, 96), False, "swiglu_q8", q8=True, k=256))
 case("fused_matmul_group_q6_k_q8_x_decode")(_fused_matmul(DType.Q6_K, (24, 8, 36), False, "none", q8=True, k=512,
                                                            rows=1))
 case("fused_matmul_group_q5_k_q8_x_decode")(_fused_matmul(DType.Q5_K, (24, 8, 36), False, "none", q8=True, k=512,
@@ -379,8 +388,9 @@ case("fused_gated_delta_rule_grouped", T=4)(_fused_gdn(1, 2, 32, 24, "grouped", 
 
 
 def _gdn_layer(hk: int, hv: int, dk: int, dv: int, head_map: str, update: bool, conv_dtype: DType = F32,
-               norm_dtype: DType = F32):
-    """The whole layer's op from the conv input [T, q | k | v]; update as in _gdn, for both states."""
+               norm_dtype: DType = F32, q8_out: bool = False):
+    """The whole layer's op from the conv input [T, q | k | v]; update as in _gdn, for both states;
+    `q8_out`: its output quantised by the kernel (the q8 numerics)."""
     def make(c: CaseBuilder) -> None:
         channels = 2 * hk * dk + hv * dv
         conv_state, state = c.s("conv_state", (3, channels)), c.s("state", (hv, dk, dv))
@@ -388,7 +398,7 @@ def _gdn_layer(hk: int, hv: int, dk: int, dv: int, head_map: str, update: bool, 
             c.x("x", ("T", channels)), c.w("conv_w", (channels, 4), conv_dtype), conv_state, c.x("a", ("T", hv)),
             c.x("b", ("T", hv)), c.w("dt_bias", (hv,)), c.b.neg(c.b.exp(c.w("a_log", (hv,)))), state,
             c.x("z", ("T", hv, dv)), c.w("norm_w", (dv,), norm_dtype), key_heads=hk, eps=1e-6, norm_eps=1e-6,
-            scale=dk ** -0.5, head_map=head_map)
+            scale=dk ** -0.5, head_map=head_map, q8_out=q8_out)
         if update:
             c.b.update_state(conv_state, conv_new)
             _state_outputs(c, state, True, y, new)
@@ -406,6 +416,10 @@ case("fused_gated_deltanet_tiled_dv20_dk12", T=3)(_gdn_layer(2, 4, 12, 20, "tile
 case("fused_gated_deltanet_one_v_head_per_k_head_dv40", T=2)(_gdn_layer(2, 2, 16, 40, "tiled", False))
 # 16 v heads of 128 per k head: one CPU work-group of 256, but parts' kernels on a GPU (over 1024 threads)
 case("fused_gated_deltanet_wide_k_head", T=2)(_gdn_layer(1, 16, 8, 128, "grouped", True))
+# q8_out: each head's row quantised where it is made (one work-item, or the work-group's from its memory)
+case("fused_gated_deltanet_q8_out_decode", T=1)(_gdn_layer(2, 4, 16, 32, "tiled", True, q8_out=True))
+case("fused_gated_deltanet_q8_out_verify_grouped", T=5)(_gdn_layer(2, 6, 16, 64, "grouped", True, q8_out=True))
+case("fused_gated_deltanet_q8_out_wide_k_head", T=2)(_gdn_layer(1, 16, 8, 128, "grouped", True, q8_out=True))
 
 # -- data movement ------------------------------------------------------------------------
 case("concat_axis1", T=3)(lambda c: c.out(c.b.concat(c.x("a", ("T", 4)), c.x("b", ("T", 7)), c.x("c", ("T", 1)), axis=1)))
@@ -427,13 +441,13 @@ def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d
                      rows: str | int = "T", pos: int = 6, past: int = 0, n_rot: int = 8, sections: tuple = (),
                      interleaved: bool = False, positions_rank: int = 1, causal: bool | None = None, window: int = 0,
                      read_old: bool = False, prefill: bool = False, pairs: str = "halves", normed: bool = True,
-                     freq_factors: tuple = ()):
+                     freq_factors: tuple = (), q8_out: bool = False):
     """The layer over caches filled to `pos`; `rows` "T" (a verify or block: a symbol) or 1
     (a decode: static); kv_len = pos + T + `past` (cache rows past the new ones, read from the
     cache); M-RoPE with `sections` (positions [T, 4] when `positions_rank` is 2); with
     `read_old` the graph also reads the caches as they were (the layer writes a copy); `prefill`:
     the prefill variant (its new rows written to the caches by a launch of their own); without
-    `normed` no q/k norm (llama's layers)."""
+    `normed` no q/k norm (llama's layers); `q8_out`: the output quantised by the kernel."""
     def make(c: CaseBuilder) -> None:
         t = c.bindings["T"] if rows == "T" else rows
         q = c.x("q", (rows, hq, d + dv if gated else d))
@@ -451,7 +465,8 @@ def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d
                                   theta=1e6, sections=sections, interleaved=interleaved, pairs=pairs,
                                   freq_factors=freq_factors, scale=d ** -0.5,
                                   causal=persist if causal is None else causal, window=window, gated=gated,
-                                  persist=persist, variant="prefill" if prefill else "decode" if rows == 1 else "block")
+                                  persist=persist, variant="prefill" if prefill else "decode" if rows == 1 else "block",
+                                  q8_out=q8_out)
         if persist:
             o, k_all, v_all = res
             c.b.update_state(k_cache, k_all)
@@ -463,6 +478,10 @@ def _fused_attention(gated: bool, persist: bool, *, hq: int = 4, hkv: int = 2, d
 
 
 case("fused_attention_gated_persist", T=5, C=16)(_fused_attention(True, True))
+case("fused_attention_q8_out_decode_gated", C=40)(_fused_attention(True, True, dv=32, rows=1, pos=23, q8_out=True))
+case("fused_attention_q8_out_block", T=5, C=16)(_fused_attention(False, False, hq=4, hkv=1, dv=64, q8_out=True))
+case("fused_attention_q8_out_prefill_gated", T=18, C=24)(
+    _fused_attention(True, True, d=32, dv=32, pos=2, prefill=True, q8_out=True))
 case("fused_attention_block", T=4, C=12)(_fused_attention(False, False))
 case("fused_attention_decode_gqa2", C=40)(_fused_attention(True, True, rows=1, pos=23))
 case("fused_attention_decode_gqa1_full_rotary", C=12)(_fused_attention(False, True, hq=2, hkv=2, rows=1, n_rot=16))
@@ -558,12 +577,17 @@ def compare(backend, name: str, work_dir: Path, seed: int = 0, tol: float = TOL)
     program = backend.load(graph, entry, work_dir, loader)
     got = program.run(c.inputs, c.states)
     want = Interpreter(graph, loader).run(c.inputs, c.states)
+    types = {v.name: v.type for n in graph.nodes for v in n.outputs}
+    q8 = {out for out, value in graph.outputs if value in types and types[value].dtype is Q8}
     worst = 0.0
     for kind, ours, ref in (("output", got.outputs, want.outputs), ("state", got.states, want.states)):
         assert ours.keys() == ref.keys(), f"{name}: {kind}s {sorted(ours)} != {sorted(ref)}"
         for key in ref:
             a, b = np.asarray(ours[key]), np.asarray(ref[key])
             assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {kind} {key} is {a.dtype}{a.shape}, want {b.dtype}{b.shape}"
+            if key in q8:
+                _assert_q8_blocks(name, key, a, b)
+                continue
             if b.dtype.kind in "iub" or b.dtype == np.float16:  # indices, casts: exact
                 assert np.array_equal(a, b), f"{name}: {kind} {key} differs: {a} vs {b}"
                 continue
@@ -572,6 +596,24 @@ def compare(backend, name: str, work_dir: Path, seed: int = 0, tol: float = TOL)
             assert err <= tol, f"{name}: {kind} {key}: max error {err:.3g} x max|ref| > {tol}"
             worst = max(worst, err)
     return worst
+
+
+def _assert_q8_blocks(name: str, key: str, ours: np.ndarray, ref: np.ndarray) -> None:
+    """Q8_0 blocks that a kernel made of values it computed in its own order (equal to the
+    reference's within the f32 contract): each value within one quant step of the reference's,
+    and no more than 1% of the quants a step off (rounding ties the f32 differences tip)."""
+    a, b = (dequantize(x, Q8).astype(np.float64) for x in (ours, ref))
+    step = np.repeat(dequantize(_unit_quants(ref), Q8).reshape(-1, 32)[:, :1], 32, axis=1).reshape(b.shape)
+    off = np.abs(a - b) > step * 1e-3
+    assert np.all(np.abs(a - b) <= step * (1 + 2 ** -10) + 1e-30), f"{name}: output {key} is more than a quant step off"
+    assert off.mean() <= 0.01, f"{name}: output {key}: {off.mean():.1%} of its quants are a step off"
+
+
+def _unit_quants(storage: np.ndarray) -> np.ndarray:
+    """The Q8_0 blocks with every quant 1: dequantised, each block's step (its scale)."""
+    blocks = storage.reshape(-1, Q8.block_bytes).copy()
+    blocks[:, 2:] = 1
+    return blocks.reshape(storage.shape)
 
 
 def main(argv: list[str]) -> int:

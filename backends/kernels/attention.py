@@ -47,6 +47,7 @@ from ..kir import F32, I32, I64, K, call, cast, const, maximum, minimum, select,
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import KERNEL, read, weight_at, write
+from .linalg import Q8_VALUES, store_q8_block
 from .position import RotaryPairs
 from .shapes import FLAT, cdiv, flat_index, prod
 
@@ -207,7 +208,7 @@ class _Attention:
         self.k_proj: _Projection | None = None
         self.v: Buffer | None = None
         self.p0: K | None = None
-        self.persist = self.gated = False
+        self.persist = self.gated = self.q8_out = False
         self.fresh = False  # keys [pos, pos + T) made from the k projection (else read from the cache)
 
     def layer(self, k: Buffer, v: Buffer, q_norm: Buffer | None, k_norm: Buffer | None,
@@ -226,6 +227,7 @@ class _Attention:
         self.fresh = not keys_from_cache
         self.persist = bool(attr.get("persist", True)) and not keys_from_cache
         self.gated = bool(attr.get("gated", False))
+        self.q8_out = bool(attr.get("q8_out", False))
 
     # -- shared pieces ----------------------------------------------------------------------
     @property
@@ -271,12 +273,22 @@ class _Attention:
             with kb.loop("c", lid if lid is not None else 0, dim(self.DV), threads) as c:
                 self.v_cache[vdst + c] = self.v[vsrc + c]
 
-    def store_out(self, row: K, h: K, c: K, value: K) -> None:
+    def output(self, row: K, h: K, c: K, value: K) -> K:
         """Output element (row, h, c): the attention value, times sigmoid(gate) when gated."""
-        if self.gated:
-            value = activations.sigmoid_gate(
-                KERNEL, value, self.q[_head_start(row, self.H, h, self.q_width) + dim(self.D) + c])
-        self.out[_head_start(row, self.H, h, self.DV) + c] = value
+        if not self.gated:
+            return value
+        return activations.sigmoid_gate(KERNEL, value, self.q[_head_start(row, self.H, h, self.q_width) + dim(self.D) + c])
+
+    def store_out(self, row: K, h: K, c: K, value: K) -> None:
+        self.out[_head_start(row, self.H, h, self.DV) + c] = self.output(row, h, c, value)
+
+    def store_q8_head(self, row: K, h: K, first: K, step: int, at: Callable[[K], K]) -> None:
+        """Output row (row, h) as Q8_0 blocks (`q8_out`) from its values at(c), blocks first,
+        first + step, ... of the head's (a work-item takes every step-th)."""
+        per_head = self.DV // Q8_VALUES
+        with self.kb.loop("qb", first, per_head, step) as b:
+            store_q8_block(self.kb, self.out, (cast(I64, row) * self.H + h) * per_head + b,
+                           lambda e: at(b * Q8_VALUES + e))
 
     # -- GPU: a work-group per (row, head) ---------------------------------------------------
     def gpu(self) -> None:
@@ -338,10 +350,19 @@ class _Attention:
                             kb.set(acc_e, acc_e + p[r - base] * src[vrow + c])
                     _segments(base, base + count, self.new_rows, add)
                 acc[e] = acc_e
+        if not self.q8_out:
+            with kb.loop("e", 0, per) as e:
+                c = kb.let("c", lid + e * L)
+                with kb.if_(c < dim(dv)):
+                    self.store_out(row, h, c, acc[e] / l)
+            return
+        ys = kb.array("ys", F32, dv, "local")  # the head's row, for the threads that quantise its blocks
         with kb.loop("e", 0, per) as e:
             c = kb.let("c", lid + e * L)
             with kb.if_(c < dim(dv)):
-                self.store_out(row, h, c, acc[e] / l)
+                ys[c] = self.output(row, h, c, acc[e] / l)
+        kb.barrier()
+        self.store_q8_head(row, h, lid, L, ys.__getitem__)
 
     def _gpu_score(self, j: K, kh: K, qs: Array, s: K) -> None:
         """s = q . key j * scale, the key from the cache or, for a new row, normed and roped here."""
@@ -423,7 +444,12 @@ class _Attention:
             row, h = kb.let("row", r0 + qi / G), kb.let("h", kh * G + qi % G)
             lq = kb.let("lq", l[qi])
             with kb.loop("c", 0, DV) as c:
-                self.store_out(row, h, c, acc[qi * DV + c] / lq)
+                if self.q8_out:
+                    acc[qi * DV + c] = self.output(row, h, c, acc[qi * DV + c] / lq)
+                else:
+                    self.store_out(row, h, c, acc[qi * DV + c] / lq)
+            if self.q8_out:
+                self.store_q8_head(row, h, const(0), 1, lambda c: acc[qi * DV + c])
 
     def _key(self, kh: K, base: K, j: K, fresh: bool, keys: Array | None, lanes: int, name: str) -> Callable[[K], K]:
         """Elements e .. e + lanes - 1 of key j: a new row (normed and roped into the chunk's

@@ -32,18 +32,21 @@ def fused_moe_parts(ctx: NodeCtx) -> None:
 
 
 def fused_matmul_parts(ctx: NodeCtx) -> None:
-    """fused_matmul as rmsnorm, the product(s), then swiglu (where no fused kernel exists)."""
+    """fused_matmul as rmsnorm, the product(s), then swiglu (quantised with `swiglu_q8`), where
+    no fused kernel exists."""
     a = ctx.attr
     x, *operands = ctx.ins
     if a["norm_eps"] is not None:
         x = ctx.sub("rmsnorm", x, operands[0], eps=a["norm_eps"])
         operands = operands[1:]
     shape = dict(form=a["form"], K=a["K"], layout=a["layout"])
-    swiglu = a["epilogue"] == "swiglu"
+    swiglu = a["epilogue"] != "none"
     into = None if swiglu else list(ctx.outs)
     if len(operands) == 1:
         products = (ctx.sub(a["op"], x, operands[0], outputs=into, N=a["Ns"][0], **shape),)
     else:
         products = ctx.sub("matmul_group", x, *operands, outputs=into, op=a["op"], Ns=a["Ns"], **shape)
-    if swiglu:
+    if a["epilogue"] == "swiglu":
         ctx.sub("swiglu", *products, outputs=[ctx.outs[0]])
+    elif swiglu:
+        ctx.sub("quantize_q8_0", ctx.sub("swiglu", *products), outputs=[ctx.outs[0]])

@@ -36,6 +36,7 @@ TILE = 32         # GEMM output tile (TILE x TILE) and K step
 THREADS = 16      # GEMM work-group is THREADS x THREADS, each thread 2x2 outputs
 ROWWISE_COLS = 128  # CPU schedule: output columns per work-group ...
 ROWWISE_ROWS = 8  # ... and rows per work-item
+Q8_VALUES = DType.Q8_0.block_size  # values of a Q8_0 block (Q8_BLOCK: its bytes)
 
 # store(row, n, value): the statement writing output column n of row `row`
 Store = Callable[[K, K, K], None]
@@ -153,7 +154,7 @@ def quantize_q8_0(ctx: NodeCtx) -> None:
         i = kb.let("i", kb.gid(0) * FLAT + kb.lid(0))
         kb.return_if(i >= total)
         xr = kb.let("xr", cast(I64, i) * 32)
-        _store_q8_block(kb, out, i, lambda e: x[xr + e])
+        store_q8_block(kb, out, i, lambda e: x[xr + e])
         kb.launch([cdiv(total, FLAT)])
         return
     w_value = ctx.ins[1]
@@ -167,7 +168,7 @@ def quantize_q8_0(ctx: NodeCtx) -> None:
     with kb.loop("b", kb.lid(0), N / 32, L) as b:
         def normed(e: K) -> K:
             return x[xr + b * 32 + e] * r * weight_at(w_value.type.dtype, w, const(0), b * 32 + e, n)
-        _store_q8_block(kb, out, kb.let("blk", row * (n // 32) + b), normed)
+        store_q8_block(kb, out, kb.let("blk", row * (n // 32) + b), normed)
     kb.launch([prod(x_value.type.shape[:-1])])
 
 
@@ -177,7 +178,7 @@ QUANTIZE_RUN = 32  # CPU: Q8_0 blocks of a row one work-item quantises without a
 def _quantize_rows(ctx: NodeCtx, n: int) -> None:
     """quantize_q8_0 with a work-item per row (reduce.row_per_item; without the norm, per run of
     QUANTIZE_RUN blocks of a row), a block's 32 values as two vectors: the row's RMS (with the
-    norm) summed as the CPU's norms sum it, then each block as _store_q8_block makes it, from
+    norm) summed as the CPU's norms sum it, then each block as store_q8_block makes it, from
     the same values x * r * w."""
     x_value, eps = ctx.ins[0], ctx.attr.get("norm_eps")
     nb = n // 32
@@ -199,7 +200,7 @@ def _quantize_rows(ctx: NodeCtx, n: int) -> None:
 
 
 def store_q8_vectors(kb: KernelSpec, out: Buffer, block: K, halves: list[K]) -> None:
-    """Q8_0 block `block` of out from its 32 values as two 16-lane vectors, as _store_q8_block
+    """Q8_0 block `block` of out from its 32 values as two 16-lane vectors, as store_q8_block
     makes it from scalars."""
     lanes = kb.array("q8_lanes", F32, LANES)
     kb.set(lanes.vec(0, LANES), maximum(call("fabs", halves[0]), call("fabs", halves[1])))
@@ -213,7 +214,7 @@ def store_q8_vectors(kb: KernelSpec, out: Buffer, block: K, halves: list[K]) -> 
         out.store(block * Q8_BLOCK + 2 + h, cast(I32.vec(LANES), call("round", value * inv)), "u8")
 
 
-def _store_q8_block(kb: KernelSpec, out: Buffer, block: K, value: Callable[[K], K]) -> None:
+def store_q8_block(kb: KernelSpec, out: Buffer, block: K, value: Callable[[K], K]) -> None:
     """Q8_0 block `block` of out from the 32 values value(e), as quantize_row_q8_0: scale
     amax / 127 (stored as f16), quants round(value / scale) with the unrounded scale's inverse."""
     amax = kb.let("amax", 0.0)
@@ -391,17 +392,18 @@ def matmul_launch(ctx: NodeCtx) -> None:
 
 
 def _matmul(ctx: NodeCtx, x_value: Value, weights: list, outs: list, res: list,
-            norm: tuple[Value, float] | None = None, swiglu: bool = False) -> None:
+            norm: tuple[Value, float] | None = None, swiglu: bool = False, q8_out: bool = False) -> None:
     """x @ wᵀ over the rows of `weights` side by side (one weight, or a matmul_group's),
     output i getting weight i's columns; with `norm` x RMS-normalised first, with `swiglu`
     silu(x @ w0ᵀ) * (x @ w1ᵀ) into the one output (both only where the caller checked that
     this profile's kernel takes them). GPU profile: the node's `form` chooses a GEMV (a few
     rows: a decode, verify or draft block) or a tiled GEMM; a node without one (a plain f32
     matmul) gets both and the launch picks one per call by its row count. CPU profile: block
-    types in register tiles (_tiled_product, `tiled`), other weights in the rowwise schedule."""
+    types in register tiles (_tiled_product, `tiled`; `q8_out`: the SwiGLU quantised), other
+    weights in the rowwise schedule."""
     dtype, k = weights[0].type.dtype, weights[0].type.shape[1]
     if ctx.profile == "cpu" and tiled(weights[0]):
-        _tiled_product(ctx, x_value, weights, outs, res[0] if res else None, norm=norm, swiglu=swiglu)
+        _tiled_product(ctx, x_value, weights, outs, res[0] if res else None, norm=norm, swiglu=swiglu, q8_out=q8_out)
         return
     widths = [o.type.shape[-1] for o in outs]
     n = widths[0] if swiglu else sum(widths)
@@ -485,7 +487,7 @@ class Tiled:
     quant.pack_q8_0_cols16 or pack_blocks_cols16, each padded to whole groups of 16 rows),
     optionally RMS-normalising x first (`norm`: the norm weight's dtype and eps) and adding a
     residual, and writing each product to its output, or silu(product 0) * product 1 with
-    `swiglu`."""
+    `swiglu` (its Q8_0 blocks with `q8_out`)."""
 
     x: TensorType
     weights: tuple[TensorType, ...]
@@ -493,6 +495,7 @@ class Tiled:
     residual: bool = False
     norm: tuple[DType, float] | None = None
     swiglu: bool = False
+    q8_out: bool = False
 
     @property
     def k(self) -> int:
@@ -515,10 +518,10 @@ class Tiled:
 
 
 def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: Value | None = None,
-                   norm: tuple[Value, float] | None = None, swiglu: bool = False) -> None:
+                   norm: tuple[Value, float] | None = None, swiglu: bool = False, q8_out: bool = False) -> None:
     """Launch the CPU tiles of a product, one kernel per row-count bucket (TILES)."""
     t = Tiled(x.type, tuple(w.type for w in weights), len(outs), residual is not None,
-              None if norm is None else (norm[0].type.dtype, norm[1]), swiglu)
+              None if norm is None else (norm[0].type.dtype, norm[1]), swiglu, q8_out)
     x_q8 = x.type.dtype is DType.Q8_0
     layout = tile_layout(ctx, x_q8, weights[0].type.dtype)
     packed = ctx.packed(weights, layout)
@@ -531,6 +534,8 @@ def _tiled_product(ctx: NodeCtx, x: Value, weights: list, outs: list, residual: 
             groups = BLOCK_ROW_GROUPS
         per = max(1, groups // 2) if swiglu else groups  # units per work-item
         items = tile_items(-(-t.units // per))
+        if q8_out and items * per % 2:  # a work-group's units make whole Q8_0 blocks of 32 columns
+            items *= 2
         kb = ctx.kernel("matmul_tiles", (items,))
         kb.bind("x", x)
         kb.bind("w", packed)
@@ -582,24 +587,31 @@ def _tiles(kb: KernelBuilder, bufs: dict, t: Tiled, M: K, R: int, P: int, items:
     integers with `dp4`), then scaled by both blocks' scales. The dp4 sums start from, or
     take, the sums of x's quants per weight sub-block (_dp4_tile_sums, _dp4_block_tile_sums),
     which the work-group takes once per R rows into local memory, between barriers, instead
-    of every work-item by VPDPBUSD per row and word."""
+    of every work-item by VPDPBUSD per row and word. With `q8_out` the work-group's SwiGLU rows
+    go through work-group memory, whose Q8_0 blocks its work-items then write in turn
+    (_store_q8_rows)."""
     u0 = kb.let("u0", (kb.gid(0) * items + kb.lid(0)) * P)
     dtype = t.weights[0].dtype
     sub = DType.Q8_0.block_size if dtype is DType.Q8_0 else DECODERS[dtype].sub
     n_sub = t.k // sub
     sums = kb.array("x_sums", I32, R * n_sub, scope="local") if dp4 else None
-    if sums is None:
+    acts = _GroupActs(kb.array("acts", F32, R * items * P * COLS, scope="local"), items, P) if t.q8_out else None
+    if sums is None and acts is None:
         kb.return_if(u0 >= t.units)
     first = kb.let("first", kb.gid(1) * span)
     with kb.loop("r0", first, minimum(first + span, M), R) as r0:
-        if sums is None:
+        if sums is None and acts is None:
             _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span)
         else:
-            _x_block_sums(kb, bufs["x"], sums, r0, M, R, n_sub, sub, -128 if dtype is DType.Q8_0 else 1, items)
-            kb.barrier()
+            if sums is not None:
+                _x_block_sums(kb, bufs["x"], sums, r0, M, R, n_sub, sub, -128 if dtype is DType.Q8_0 else 1, items)
+                kb.barrier()
             with kb.if_(u0 < t.units):
-                _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span, sums)
-            kb.barrier()  # before the next rows' sums overwrite these
+                _tile_rows(kb, t, M, R, P, bufs, r0, u0, dp4, block_span, sums, acts)
+            kb.barrier()  # before the next rows' sums overwrite these, or after the rows' SwiGLU
+            if acts is not None:
+                acts.store_q8(kb, t.widths[0], M, R, r0, bufs[tile_out(t, 0)])
+                kb.barrier()
 
 
 def _x_block_sums(kb: KernelBuilder, x: Buffer, sums: Array, r0: K, M: K, R: int, n_sub: int, sub: int,
@@ -630,9 +642,9 @@ def clamp_to_last(i: K, count: K | int, step: int) -> K:
 
 
 def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0: K, u0: K, dp4: bool,
-               block_span: int, x_sums: Array | None = None) -> None:
+               block_span: int, x_sums: Array | None = None, acts: "_GroupActs | None" = None) -> None:
     """Rows r0 .. r0+R-1 of the work-item's units (_tiles); `x_sums` those rows' sub-block
-    sums (_x_block_sums) for the dp4 sums."""
+    sums (_x_block_sums) for the dp4 sums; `acts` where the SwiGLU goes with q8_out."""
     x, w = bufs["x"], bufs["w"]
     dtype = t.weights[0].dtype
     k, nb = t.k, t.k // dtype.block_size
@@ -653,7 +665,36 @@ def _tile_rows(kb: KernelBuilder, t: Tiled, M: K, R: int, P: int, bufs: dict, r0
     q8_x = (x, [row * (k // 32) for row in rows]) if x_q8 else None
     tile_sums(kb, [(w, b) for b in base], nb, acc, R, lambda r, i: x[rows[r] * k + i], norm_at, q8_x, dp4, dtype,
               block_span, x_sums, unroll_runs=block_span > 0 and dtype in RUNS_UNROLLED)
-    _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs)
+    _store_tiles(kb, t, M, R, r0, u0, slots, acc, inv, bufs, acts)
+
+
+@dataclass(frozen=True)
+class _GroupActs:
+    """With q8_out, the SwiGLU of R rows of a work-group's `items` x P units, row by row in
+    work-group memory: each work-item writes its units' columns, then the work-items write
+    the rows' Q8_0 blocks in turn (a unit's 16 columns are half a block)."""
+
+    values: Array
+    items: int
+    P: int
+
+    @property
+    def width(self) -> int:
+        return self.items * self.P * COLS
+
+    def at(self, kb: KernelBuilder, r: int, p: int) -> K:
+        """Where row r of the work-item's unit p starts."""
+        return r * self.width + (kb.lid(0) * self.P + p) * COLS
+
+    def store_q8(self, kb: KernelBuilder, n: int, M: K, R: int, r0: K, out: Buffer) -> None:
+        """Rows r0 .. r0+R-1 (those below M) as Q8_0 blocks of out, n columns wide."""
+        per_row = self.width // Q8_VALUES
+        first = kb.let("qfirst", kb.gid(0) * per_row)
+        with kb.loop("qi", kb.lid(0), R * per_row, self.items) as i:
+            r, b = i / per_row, i % per_row
+            with kb.if_((r0 + r < M) & ((first + b) * Q8_VALUES < n)):
+                store_q8_block(kb, out, cast(I64, r0 + r) * (n // Q8_VALUES) + first + b,
+                               lambda e: self.values[r * self.width + b * Q8_VALUES + e])
 
 
 def tile_sums(kb: KernelBuilder, groups: list[tuple[Buffer, K]], nb: K | int, acc: dict, R: int,
@@ -921,8 +962,10 @@ def _dp4_tile_sums(kb: KernelSpec, groups: list[tuple[Buffer, K]], nb: K | int, 
                 kb.set(acc[r, j], call("fma", cast(V, total), scale[j] * dx, acc[r, j]))
 
 
-def _store_tiles(kb: KernelBuilder, t: Tiled, M: K, R: int, r0: K, u0: K, slots, acc, inv, bufs) -> None:
-    """Each valid row's sums, lane by lane, into the output their group belongs to."""
+def _store_tiles(kb: KernelBuilder, t: Tiled, M: K, R: int, r0: K, u0: K, slots, acc, inv, bufs,
+                 acts: _GroupActs | None = None) -> None:
+    """Each valid row's sums, lane by lane, into the output their group belongs to (with
+    `acts`, the SwiGLU into the work-group's rows there)."""
     lanes = kb.array("lanes", F32, COLS)
     up_lanes = kb.array("up_lanes", F32, COLS) if t.swiglu else None
     outs, residual = [bufs[tile_out(t, i)] for i in range(t.n_outs)], bufs.get("residual")
@@ -935,6 +978,11 @@ def _store_tiles(kb: KernelBuilder, t: Tiled, M: K, R: int, r0: K, u0: K, slots,
                 kb.set(lanes.vec(0, COLS), acc[r, j] * scale if scale is not None else acc[r, j])
                 if t.swiglu:
                     kb.set(up_lanes.vec(0, COLS), acc[r, j + 1] * scale if scale is not None else acc[r, j + 1])
+                if acts is not None:
+                    at = kb.let("at", acts.at(kb, r, p))
+                    with kb.loop("e", 0, COLS) as e:
+                        acts.values[at + e] = activations.swiglu(KERNEL, lanes[e], up_lanes[e])
+                    continue
                 for i, out in enumerate(outs):
                     _store_member(kb, t, i, out, r0 + r, u0 + p, lanes, up_lanes, residual)
 
@@ -961,19 +1009,27 @@ def _store_member(kb: KernelBuilder, t: Tiled, i: int, out: Buffer, row: K, unit
 
 @lowers("fused_matmul")
 def fused_matmul(ctx: NodeCtx) -> None:
-    """One kernel with the norm and the SwiGLU inside: the CPU tiles (block-type weights) and the
-    GPU GEMV (a few rows; x in f32, or in Q8_0 blocks without the norm: the q8 numerics'
-    SwiGLU). Elsewhere (a prefill's GEMM) the parts' kernels (kernels/fused.py)."""
+    """One kernel with the norm and the SwiGLU inside: the CPU tiles (block-type weights; with
+    `swiglu_q8` the SwiGLU quantised too) and the GPU GEMV (a few rows; x in f32, or in Q8_0
+    blocks without the norm: the q8 numerics' SwiGLU, quantised by a launch of its own, as the
+    GEMV's work-groups hold fewer than a block's 32 columns). Elsewhere (a prefill's GEMM) the
+    parts' kernels (kernels/fused.py)."""
     a = ctx.attr
     x, *operands = ctx.ins
     norm = (operands[0], a["norm_eps"]) if a["norm_eps"] is not None else None
     weights = operands[1:] if norm else operands
+    q8_out = a["epilogue"] == "swiglu_q8"
     cpu_tiles = ctx.profile == "cpu" and tiled(weights[0])
     gpu_gemv = ctx.profile == "gpu" and a["form"] == "gemv" and (x.type.dtype is DType.F32 or norm is None)
     if not (cpu_tiles or gpu_gemv):
         fused_matmul_parts(ctx)
         return
-    _matmul(ctx, x, weights, ctx.outs, [], norm=norm, swiglu=a["epilogue"] == "swiglu")
+    if gpu_gemv and q8_out:
+        act = ctx.temp(TensorType(DType.F32, ctx.outs[0].type.shape))
+        _matmul(ctx, x, weights, [act], [], norm=norm, swiglu=True)
+        ctx.sub("quantize_q8_0", act, outputs=ctx.outs)
+        return
+    _matmul(ctx, x, weights, ctx.outs, [], norm=norm, swiglu=a["epilogue"] != "none", q8_out=q8_out)
 
 
 @lowers("matmul_group")

@@ -15,6 +15,7 @@ from ..kir import F32, I64, K, call, cast, const, minimum, select, vsum
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, NodeCtxBase, dim, lowers
 from .access import KERNEL, inline, weight_at
+from .linalg import Q8_VALUES, store_q8_block
 from .shapes import FLAT, cdiv, pow2_threads
 
 
@@ -332,6 +333,7 @@ class DeltaRule:
     seg: int = 0
     norm: NormGate | None = None
     conv: Conv | None = None
+    q8_out: bool = False
 
     def key_head(self, h: K) -> K:
         hk = self.reads.key_heads
@@ -339,11 +341,37 @@ class DeltaRule:
 
     def group_heads(self, kb: KernelSpec, lid: K) -> tuple[K, K, K]:
         """(k head, v head, place in the v head) of work-item lid of a k head's work-group."""
-        hk = self.reads.key_heads
         kh = kb.let("kh", kb.gid(0))
-        sub = lid / self.seg
-        h = kb.let("h", kh + sub * hk if self.tiled else kh * (self.hv // hk) + sub)
-        return kh, h, kb.let("p", lid % self.seg)
+        return kh, kb.let("h", self.group_head(kh, lid / self.seg)), kb.let("p", lid % self.seg)
+
+    def group_head(self, kh: K, sub: K) -> K:
+        """The v head in place `sub` of k head kh's work-group."""
+        hk = self.reads.key_heads
+        return kh + sub * hk if self.tiled else kh * (self.hv // hk) + sub
+
+    @property
+    def q8_blocks(self) -> int:
+        """Q8_0 blocks of a v head's output row (`q8_out`: the value dim is a multiple of 32)."""
+        return self.DV.arg // Q8_VALUES
+
+    def store_q8_row(self, kb: KernelSpec, t: K, h: K, values: Callable[[K], K]) -> None:
+        """v head h's output row of token t (values(c)) as its Q8_0 blocks (`q8_out`)."""
+        per_head = self.q8_blocks
+        with kb.loop("qb", 0, per_head) as b:
+            store_q8_block(kb, self.states.out, (cast(I64, t) * self.hv + h) * per_head + b,
+                           lambda e: values(b * Q8_VALUES + e))
+
+    def store_q8_group(self, kb: KernelSpec, t: K, kh: K, lid: K, rows: Array) -> None:
+        """Token t's output rows of k head kh's work-group as Q8_0 blocks (`q8_out`), from
+        `rows` (work-group memory: its v heads' rows side by side), a block per work-item in
+        turn, between barriers (the rows are written before, and the next token's after)."""
+        per_head, per = self.q8_blocks, self.hv // self.reads.key_heads
+        kb.barrier()
+        with kb.loop("qb", lid, per * per_head, per * self.seg) as i:
+            h = kb.let("qh", self.group_head(kh, i / per_head))
+            store_q8_block(kb, self.states.out, (cast(I64, t) * self.hv + h) * per_head + i % per_head,
+                           lambda e: rows[i * Q8_VALUES + e])
+        kb.barrier()
 
     def state_row(self, h: K, e: K) -> K:
         """Offset of row e of v head h's state."""
@@ -416,11 +444,12 @@ def gated_deltanet(ctx: NodeCtx) -> None:
     CPU vector one, one work-item taking the v heads in turn; CPU where the value dim
     splits into CPU_COLS-wide groups; a work-item per value column otherwise), then the
     head's RMSNorm, reduced over its work-items, and the silu(z) gate. A k head whose v
-    heads would not fit a work-group is lowered as the parts."""
+    heads would not fit a work-group is lowered as the parts. With `q8_out` each head's
+    output row is quantised where it is made: by its work-item, or by the work-group's items
+    a block each from work-group memory."""
     x, conv_w, conv_state, gate_a, gate_b, dt_bias, ssm_a, state, z, norm_w = ctx.ins
     y, conv_new, new_state = ctx.outs
-    t, hv, dv = y.type.shape
-    dk = state.type.shape[1]
+    t, (hv, dk, dv) = x.type.shape[0], state.type.shape
     hk = ctx.attr["key_heads"]
     per = hv // hk
     lanes = _vector_lanes(ctx, dv)
@@ -442,7 +471,7 @@ def gated_deltanet(ctx: NodeCtx) -> None:
     norm = NormGate(None if lanes else kb.array("red", F32, per * seg, "local"), zb, nwb, norm_w.type.dtype, hv, dv,
                     float(ctx.attr["norm_eps"]), seg, per == 1)
     rule = DeltaRule(dim(t), dim(dk), dim(dv), hv, ctx.attr.get("head_map", "tiled") == "tiled",
-                     float(ctx.attr["scale"]), reads, states, seg, norm, conv)
+                     float(ctx.attr["scale"]), reads, states, seg, norm, conv, bool(ctx.attr.get("q8_out", False)))
     if lanes:
         _cpu_vector_body(kb, rule, dv, lanes)
     elif cpu:
@@ -454,8 +483,8 @@ def gated_deltanet(ctx: NodeCtx) -> None:
 
 def gated_deltanet_parts(ctx: NodeCtxBase) -> None:
     """fused_gated_deltanet as its parts' kernels (its reference's composition): the conv with
-    SiLU, fused_gated_delta_rule, rmsnorm and the gate. Written against `ctx.sub` alone, so
-    the TVM lowering registers it too."""
+    SiLU, fused_gated_delta_rule, rmsnorm and the gate (with `q8_out`, its rows quantised).
+    Written against `ctx.sub` alone, so the TVM lowering registers it too."""
     x, conv_w, conv_state, gate_a, gate_b, dt_bias, ssm_a, state, z, norm_w = ctx.ins
     y, conv_new, new_state = ctx.outs
     a = ctx.attr
@@ -463,8 +492,13 @@ def gated_deltanet_parts(ctx: NodeCtxBase) -> None:
                     activation="silu")[0]
     rule = {n: a[n] for n in ("key_heads", "eps", "scale", "head_map", "chunk_size") if n in a}
     o = ctx.sub("fused_gated_delta_rule", mixed, gate_a, gate_b, dt_bias, ssm_a, state,
-                outputs=[ctx.temp(y.type), new_state], **rule)[0]
-    ctx.sub("mul", ctx.sub("rmsnorm", o, norm_w, eps=a["norm_eps"]), ctx.sub("silu", z), outputs=[y])
+                outputs=[ctx.temp(z.type), new_state], **rule)[0]
+    gated = (ctx.sub("rmsnorm", o, norm_w, eps=a["norm_eps"]), ctx.sub("silu", z))
+    if not a.get("q8_out"):
+        ctx.sub("mul", *gated, outputs=[y])
+        return
+    rows = ctx.sub("reshape", ctx.sub("mul", *gated), shape=y.type.shape)
+    ctx.sub("quantize_q8_0", rows, outputs=[y])
 
 
 def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
@@ -486,6 +520,7 @@ def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
     if not shared:
         qs, ks = kb.array("qs", F32, dk, "local"), kb.array("ks", F32, dk, "local")
     S = kb.array("S", F32, dk)
+    rows = _group_rows(kb, rule)
 
     def cell(e: K) -> K:
         return rule.state_row(h, e) + col
@@ -515,14 +550,26 @@ def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
             kb.set(y, y + S[e] * q_at(e))
         if rule.norm is not None:
             r = rule.norm.factor(kb, lid, col, y * y)  # a v head's threads are all live
-        with kb.if_(live):
-            states.out[rule.out_row(t, h) + col] = y if rule.norm is None else rule.norm.apply(kb, y * r, t, h, col)
+        if rows is not None:  # (q8_out: a fused layer's, whose threads are all live)
+            rows[lid] = rule.norm.apply(kb, y * r, t, h, col)
+            rule.store_q8_group(kb, t, kh, lid, rows)
+        else:
+            with kb.if_(live):
+                states.out[rule.out_row(t, h) + col] = y if rule.norm is None else rule.norm.apply(kb, y * r, t, h, col)
     with kb.if_(live), kb.loop("e", 0, DK) as e:
         states.new[cell(e)] = S[e]
     if rule.conv is not None:
         rule.conv.write_key_head(kb, kh)
         with kb.if_(live):
             rule.conv.write(kb, rule.conv.v_channel(h, col))
+
+
+def _group_rows(kb: KernelSpec, rule: DeltaRule) -> Array | None:
+    """With `q8_out`, work-group memory for a token's output rows of the work-group's v heads
+    side by side (DeltaRule.store_q8_group quantises them); None without."""
+    if not rule.q8_out:
+        return None
+    return kb.array("ys", F32, rule.hv // rule.reads.key_heads * rule.DV.arg, "local")
 
 
 def _walk_tokens(kb: KernelSpec, rule: DeltaRule, kh: K, token: Callable[[K, Buffer], None]) -> None:
@@ -607,7 +654,12 @@ def _cpu_vector_body(kb: KernelSpec, rule: DeltaRule, dv: int, lanes: int) -> No
             with kb.loop("c", 0, dv, lanes) as c:
                 kb.set(vv.vec(c, lanes), rule.norm.gates(kb, t, h, c, lanes))
             with kb.loop("c", 0, dv) as c:
-                states.out[rule.out_row(t, h) + c] = rule.norm.apply(kb, yy[c] * rn, t, h, c, vv[c])
+                if rule.q8_out:
+                    yy[c] = rule.norm.apply(kb, yy[c] * rn, t, h, c, vv[c])
+                else:
+                    states.out[rule.out_row(t, h) + c] = rule.norm.apply(kb, yy[c] * rn, t, h, c, vv[c])
+            if rule.q8_out:
+                rule.store_q8_row(kb, t, h, yy.__getitem__)
 
     if not states.in_place:  # no token runs when T is 0: the new state is the old one
         with kb.if_(T.eq(0)), kb.loop("sub", 0, per) as sub, kb.loop("e", 0, DK * dv) as e:
@@ -639,6 +691,7 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
         h, c0 = kb.let("h", kb.gid(0)), kb.let("c0", kb.lid(0) * CPU_COLS)
         kh = kb.let("kh", rule.key_head(h))
     sk, y, delta = (kb.array(name, F32, CPU_COLS) for name in ("sk", "y", "delta"))
+    rows = _group_rows(kb, rule)
 
     def columns():
         return kb.loop("j", 0, CPU_COLS)
@@ -669,7 +722,13 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
             return
         rn = rule.norm.factor(kb, lid, p, vsum(y.vec(0, CPU_COLS) * y.vec(0, CPU_COLS)))
         with columns() as j:
-            states.out[rule.out_row(t, h) + c0 + j] = rule.norm.apply(kb, y[j] * rn, t, h, c0 + j)
+            value = rule.norm.apply(kb, y[j] * rn, t, h, c0 + j)
+            if rows is None:
+                states.out[rule.out_row(t, h) + c0 + j] = value
+            else:
+                rows[lid * CPU_COLS + j] = value
+        if rows is not None:
+            rule.store_q8_group(kb, t, kh, lid, rows)
 
     if not states.in_place:  # no token runs when T is 0: the new state is the old one
         with kb.if_(T.eq(0)), kb.loop("e", 0, DK) as e:

@@ -116,14 +116,18 @@ def attention_prologue(ctx: TVMNodeCtx) -> tuple[Value, Value]:
 
 
 def attention_epilogue(ctx: TVMNodeCtx, o: Value) -> None:
-    """The fused_attention output: o (rows, heads, dv) flattened, times sigmoid(gate) when gated."""
+    """The fused_attention output: o (rows, heads, dv) flattened, times sigmoid(gate) when
+    gated, quantised to Q8_0 with `q8_out`."""
     q, k = ctx.ins[:2]
     rows, heads, dv = o.type.shape
+    quantised = ctx.attr.get("q8_out", False)
     flat = ctx.sub("reshape", o, shape=(rows, heads * dv))
     if ctx.attr.get("gated"):
         gate = ctx.sub("reshape", ctx.sub("slice", q, axis=2, start=k.type.shape[2]), shape=(rows, heads * dv))
-        ctx.sub("sigmoid_gate", flat, gate, outputs=[ctx.outs[0]])
-    else:
+        flat = ctx.sub("sigmoid_gate", flat, gate, outputs=None if quantised else [ctx.outs[0]])
+    if quantised:
+        ctx.sub("quantize_q8_0", flat, outputs=[ctx.outs[0]])
+    elif not ctx.attr.get("gated"):
         ctx.alias(ctx.outs[0], flat)
 
 

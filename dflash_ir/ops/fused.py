@@ -6,6 +6,7 @@ a fused op is tested against this reference like any other.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from .rules import (
 )
 
 F32 = np.float32
+Q8_BLOCK = DType.Q8_0.block_size
 VARIANTS = ("decode", "block", "prefill")
 
 
@@ -43,6 +45,21 @@ def _infer(op: str, *inputs: TensorType, **attrs) -> tuple[TensorType, ...]:
 
 
 ATTENTION_INPUTS = ("q", "k", "v", "q_norm", "k_norm", "positions", "pos", "kv_len", "k_cache", "v_cache")
+
+
+def _q8_rows(y: TensorType, q8_out, head_dim) -> TensorType:
+    """Output y as it leaves the kernel: f32, or with `q8_out` (the q8 numerics, whose next
+    product takes Q8_0 x) its rows flattened and quantised to Q8_0 by the kernel itself, a
+    head's row at a time, so a block must not straddle two heads."""
+    if not bool_attr("q8_out", q8_out):
+        return y
+    check(isinstance(head_dim, int) and head_dim % Q8_BLOCK == 0,
+          f"q8_out quantises each head's row in blocks of {Q8_BLOCK}: the head dim {head_dim} must be a multiple")
+    return _infer("quantize_q8_0", f32((y.shape[0], math.prod(y.shape[1:]))))[0]
+
+
+def _q8_reference(y: np.ndarray, q8_out: bool) -> np.ndarray:
+    return quantize_q8_0(y.reshape(len(y), -1)) if q8_out else y
 
 
 def attention_input_names(normed: bool) -> tuple[str, ...]:
@@ -60,7 +77,7 @@ def attention_inputs(inputs: Sequence, eps) -> dict:
 
 
 def _fused_attention_rule(*inputs, eps, n_rot, theta, sections, interleaved, pairs, freq_factors, scale, causal,
-                          window, gated, persist, variant):
+                          window, gated, persist, variant, q8_out=False):
     x = attention_inputs(inputs, eps)
     q, k, v, positions = x["q"], x["k"], x["v"], x["positions"]
     expect_rank("q", q, 3)
@@ -85,20 +102,21 @@ def _fused_attention_rule(*inputs, eps, n_rot, theta, sections, interleaved, pai
     (v_all,) = _infer("kv_write", x["v_cache"], v, x["pos"])
     (o,) = _infer("attention", q_rot, k_all, v_all, x["kv_len"], scale=scale, causal=causal, window=window)
     check(isinstance(o.shape[1], int) and isinstance(o.shape[2], int), f"heads and head dim of {o} must be ints")
-    out = f32((o.shape[0], o.shape[1] * o.shape[2]))
+    out = _q8_rows(f32((o.shape[0], o.shape[1] * o.shape[2])), q8_out, o.shape[2])
     return (out, k_all, v_all) if persist else out
 
 
 @defop("fused_attention", _fused_attention_rule)
 def fused_attention(*inputs, eps, n_rot, theta, sections=(), interleaved=False, pairs="halves", freq_factors=(), scale,
-                    causal=True, window=0, gated=False, persist=True, variant="prefill"):
+                    causal=True, window=0, gated=False, persist=True, variant="prefill", q8_out=False):
     """One attention layer on ATTENTION_INPUTS: rmsnorm (with eps; none with eps None and
     no q_norm, k_norm inputs) + RoPE of q and k, k and v written into the caches at
     `pos`, softmax attention over the first kv_len rows, heads flattened to [T, H*Dv], and
     with `gated` o * sigmoid(gate) where q is [T, H, D + Dv] holding [q_h | gate_h] per head.
     Returns (o, k_cache', v_cache') with `persist`, else o alone (the draft block: its K/V
     live past the cache length for this call only). `variant` (decode: T=1, block: a
-    verify or draft block of a few rows, prefill: long) picks a kernel, not the math."""
+    verify or draft block of a few rows, prefill: long) picks a kernel, not the math.
+    `q8_out`: o leaves as its Q8_0 blocks (_q8_rows)."""
     x = attention_inputs(inputs, eps)
     q, k, v, positions, pos = x["q"], x["k"], x["v"], x["positions"], x["pos"]
     d = k.shape[2]
@@ -116,6 +134,7 @@ def fused_attention(*inputs, eps, n_rot, theta, sections=(), interleaved=False, 
     o = o.reshape(o.shape[0], -1)
     if gated:
         o = np.asarray(activations.sigmoid_gate(NUMPY, o, q[..., d:].reshape(o.shape)))
+    o = _q8_reference(o, q8_out)
     return (o, k_all, v_all) if persist else o
 
 
@@ -158,7 +177,7 @@ def fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, *, key_heads, eps
 
 
 def _fused_gdn_layer_rule(x, conv_w, conv_state, a, b, dt_bias, ssm_a, state, z, norm_w, *, key_heads, eps, norm_eps,
-                          scale, head_map, chunk_size):
+                          scale, head_map, chunk_size, q8_out=False):
     mixed, conv_new = _infer("causal_conv1d", x, conv_w, conv_state, activation="silu")
     o, new = _infer("fused_gated_delta_rule", mixed, a, b, dt_bias, ssm_a, state, key_heads=key_heads, eps=eps,
                     scale=scale, head_map=head_map, chunk_size=chunk_size)
@@ -167,21 +186,21 @@ def _fused_gdn_layer_rule(x, conv_w, conv_state, a, b, dt_bias, ssm_a, state, z,
     for axis, what in enumerate(("rows", "heads", "dim")):  # the gate multiplies elementwise: no broadcasting
         expect_same(f"z {what}", z.shape[axis], f"output {what}", o.shape[axis], (z, o))
     (y,) = _infer("mul", normed, *_infer("silu", z))
-    return y, conv_new, new
+    return _q8_rows(y, q8_out, y.shape[2]), conv_new, new
 
 
 @defop("fused_gated_deltanet", _fused_gdn_layer_rule)
 def fused_gated_deltanet(x, conv_w, conv_state, a, b, dt_bias, ssm_a, state, z, norm_w, *, key_heads, eps, norm_eps,
-                         scale, head_map="tiled", chunk_size=0):
+                         scale, head_map="tiled", chunk_size=0, q8_out=False):
     """A Gated DeltaNet layer between its input projections and its out projection: the
     causal conv of x with SiLU (conv_w, conv_state), fused_gated_delta_rule on its output,
     then each v head's output row RMS-normalised with norm_w (norm_eps) times silu(z).
-    Returns (y, conv_state', state')."""
+    Returns (y, conv_state', state'); with `q8_out` y leaves as its Q8_0 blocks (_q8_rows)."""
     mixed, conv_new = causal_conv1d(x, conv_w, conv_state, activation="silu")
     o, new = fused_gated_delta_rule(mixed, a, b, dt_bias, ssm_a, state, key_heads=key_heads, eps=eps,
                                     scale=scale, head_map=head_map, chunk_size=chunk_size)
     y = _reference("mul", rmsnorm(o, norm_w, eps=norm_eps), _reference("silu", z))
-    return y, conv_new, new
+    return _q8_reference(y, q8_out), conv_new, new
 
 
 def _reference(op: str, *arrays: np.ndarray) -> np.ndarray:

@@ -106,7 +106,7 @@ def quantize_q8_0_op(x, *norm_weight, norm_eps=None):
     return quantize_q8_0(x)
 
 
-EPILOGUES = ("none", "swiglu")
+EPILOGUES = ("none", "swiglu", "swiglu_q8")
 
 
 def _fused_matmul_rule(x: TensorType, *operands: TensorType, op, form, K, Ns, layout, norm_eps, epilogue):
@@ -118,9 +118,9 @@ def _fused_matmul_rule(x: TensorType, *operands: TensorType, op, form, K, Ns, la
         check(operands[0].rank == 1 and operands[0].shape[0] == x.shape[-1],
               f"norm weight {operands[0]} must be [{x.shape[-1]}]")
     outs = [get_op(op).output_types([x, w], dict(form=form, K=K, N=n, layout=layout))[0] for w, n in zip(weights, Ns)]
-    if epilogue == "swiglu":
+    if epilogue != "none":
         check(len(outs) == 2 and outs[0] == outs[1], f"swiglu needs two products of one shape, got {outs}")
-        return outs[0]
+        return outs[0] if epilogue == "swiglu" else _quantize_rule(outs[0])
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -128,12 +128,14 @@ def _fused_matmul_rule(x: TensorType, *operands: TensorType, op, form, K, Ns, la
 def fused_matmul(x, *operands, op, form, K, Ns, layout, norm_eps=None, epilogue="none"):
     """Products of one x with their prologue and epilogue in one kernel: with `norm_eps`, x is
     first RMS-normalised with operands[0] (rmsnorm's reference); then x @ wᵢᵀ for each weight
-    (`op`'s reference); `swiglu` returns silu(product 0) * product 1 instead of the products."""
+    (`op`'s reference); `swiglu` returns silu(product 0) * product 1 instead of the products,
+    `swiglu_q8` that quantised to Q8_0 (the q8 numerics' x of the down product)."""
     weights = operands
     if norm_eps is not None:
         x = get_op("rmsnorm").run([x, operands[0]], {"eps": norm_eps})[0]
         weights = operands[1:]
     outs = [get_op(op).run([x, w], dict(form=form, K=K, N=n, layout=layout))[0] for w, n in zip(weights, Ns)]
-    if epilogue == "swiglu":
-        return get_op("swiglu").run(outs, {})[0]
+    if epilogue != "none":
+        act = get_op("swiglu").run(outs, {})[0]
+        return act if epilogue == "swiglu" else quantize_q8_0(act)
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -10,7 +10,8 @@ import pytest
 from dflash_ir.artifact import compile_pair, load_compiled, open_engine
 from dflash_ir.backends.base import get_backend
 from dflash_ir.models.draft_vocab import reduced_draft_plan
-from dflash_ir.models.generator import TINY_MASK_ID, write_gguf
+from dflash_ir.models.generator import (TINY_MASK_ID, tiny_draft_config, tiny_target_config, write_draft,
+                                        write_gguf, write_target)
 from dflash_ir.models.gguf_file import open_gguf
 
 PROMPT = [5, 77, 140, 9, 260, 31, 8]
@@ -44,6 +45,29 @@ def test_speculative_greedy_equals_interpreter(backend, tiny_pair, arch, dtype, 
                                                           ignore_eos=True).tokens
     assert engine.generate(prompt_ids=PROMPT, max_tokens=24, speculative=False, ignore_eos=True).tokens == want
     assert engine.generate(prompt_ids=PROMPT, max_tokens=24, n_max=7, ignore_eos=True).tokens == want
+
+
+@pytest.mark.parametrize("backend", ["opencl", "vulkan"])
+def test_q8_cores_quantising_their_own_outputs_keep_greedy_output(backend, tmp_path):
+    """Value heads of 32 in every layer (the tiny Gated DeltaNet's are 16 wide otherwise): under
+    q8 numerics each attention and Gated DeltaNet core writes the Q8_0 blocks its output
+    projection reads (q8_out). The engine's tokens, speculative (a random draft: every round
+    rolled back, the commit replaying one row) or not, are the q8 interpreter's, whose graph
+    quantises in nodes of their own. (The native kernels: TVM lowers q8_out as the core and a
+    quantisation, whose kernel cases run on TVM too.)"""
+    reason = get_backend(backend).unavailable_reason()
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+    cfg = tiny_target_config("qwen35", ssm_d_state=32)
+    target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+    write_target(target, cfg, dtype="q8_0", seed=1)
+    write_draft(draft, tiny_draft_config(cfg), target_cfg=cfg, dtype="q8_0", seed=2)
+    engine = load_compiled(compile_pair(target, draft, out=tmp_path / "art", backend=backend, n_ctx=96,
+                                        numerics="q8"), load_tokenizer=False)
+    want = open_engine(target, draft, n_ctx=96, numerics="q8").generate(
+        prompt_ids=PROMPT, max_tokens=16, speculative=False, ignore_eos=True).tokens
+    assert engine.generate(prompt_ids=PROMPT, max_tokens=16, speculative=False, ignore_eos=True).tokens == want
+    assert engine.generate(prompt_ids=PROMPT, max_tokens=16, n_max=7, ignore_eos=True).tokens == want
 
 
 @pytest.mark.parametrize("arch, dtype", [("qwen35", "f16"), ("qwen35moe", "q8_0")])

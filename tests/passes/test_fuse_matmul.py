@@ -55,6 +55,22 @@ def test_q8_numerics_fold_the_norm_into_the_quantize(tiny_models, worst_relative
         assert worst_relative(before, after, pair.weights) == 0.0, name
 
 
+def test_q8_numerics_quantise_the_swiglu_in_its_product(tiny_models, worst_relative):
+    """Under q8 the down product reads quantize_q8_0(silu(gate) * up): the gate/up product takes
+    the quantisation as its epilogue (swiglu_q8), bit-identical, and no quantize reads a product."""
+    pair = tiny_models("qwen35", "q8_0")
+    for name in ("target.decode", "target.verify", "draft.block"):
+        before = run_pipeline(pair.graphs[name], numerics="q8", skip=["fuse_matmul"])
+        after = fuse_matmul(before)
+        quantised = [n for n in after.nodes if n.op == "fused_matmul" and n.attr["epilogue"] == "swiglu_q8"]
+        assert len(quantised) == before.op_counts()["swiglu"] > 0, name
+        assert not [n for n in after.nodes if n.op == "fused_matmul" and n.attr["epilogue"] == "swiglu"], name
+        producers = after.producers()
+        assert all(producers[n.inputs[0]].op != "fused_matmul" for n in after.nodes if n.op == "quantize_q8_0"), name
+        assert after.op_counts()["quantize_q8_0"] == before.op_counts()["quantize_q8_0"] - len(quantised), name
+        assert worst_relative(before, after, pair.weights) == 0.0, name
+
+
 def _layer(norm_readers: int = 1, residual: bool = False, dtype=DType.Q8_0, swapped: bool = False, width: int = 64):
     b = GraphBuilder("probe")
     x = b.input("x", DType.F32, ("T", width))

@@ -10,6 +10,9 @@ from dflash_ir.passes.quantize_activations import quantize_activations
 from dflash_ir.quant import quantize
 
 
+CORES = ("fused_attention", "fused_gated_deltanet")
+
+
 def _products(graph):
     return [n for n in graph.nodes if n.op == "matmul_q8_0" or (n.op == "matmul_group" and n.attr["op"] == "matmul_q8_0")]
 
@@ -22,11 +25,55 @@ def test_every_q8_0_product_reads_one_quantisation_of_its_x(tiny_models, arch):
     products = _products(out)
     assert len(products) == len(_products(g)) > 0
     quantized = {n.inputs[0] for n in products} | {n.inputs[9] for n in out.nodes if n.op == "fused_moe"}
-    assert all(values[x].type.dtype is DType.Q8_0 and producers[x].op == "quantize_q8_0" for x in quantized)
+    assert all(values[x].type.dtype is DType.Q8_0 for x in quantized)
+    # a layer core quantises its own output (test_a_core_quantises_its_output_for_the_projection)
+    quantized = {x for x in quantized if producers[x].op not in CORES}
+    assert all(producers[x].op == "quantize_q8_0" for x in quantized)
     # one quantize per distinct f32 x: products of one x share it
     sources = [producers[x].inputs[0] for x in quantized]
     assert len(sources) == len(set(sources)) == out.op_counts()["quantize_q8_0"]
-    assert not any(values[n.inputs[0]].type.dtype is DType.Q8_0 for n in g.nodes if n.op.startswith("matmul"))
+    before = g.values()
+    assert not any(before[n.inputs[0]].type.dtype is DType.Q8_0 for n in g.nodes if n.op.startswith("matmul"))
+
+
+def test_a_core_quantises_its_output_for_the_projection(tmp_path, worst_relative):
+    """Where a head's row is whole Q8_0 blocks (value head dims of 32 here), every attention and
+    Gated DeltaNet core of the target and the draft writes the blocks its output projection
+    reads (`q8_out`), no quantize_q8_0 reads a core, and every output and state is bit-identical
+    to the graph that quantises in a node of its own."""
+    from dflash_ir.artifact import open_pair
+    from dflash_ir.models.generator import tiny_draft_config, tiny_target_config, write_draft, write_target
+    from dflash_ir.passes.quantize_activations import RULES
+    from dflash_ir.rewrite import rewrite
+
+    cfg = tiny_target_config("qwen35", ssm_d_state=32)
+    write_target(tmp_path / "t.gguf", cfg, dtype="q8_0", seed=1)
+    write_draft(tmp_path / "d.gguf", tiny_draft_config(cfg), target_cfg=cfg, dtype="q8_0", seed=2)
+    pair = open_pair(tmp_path / "t.gguf", tmp_path / "d.gguf", opt_level=0)
+    for name in ("target.decode", "target.verify", "draft.block"):
+        g = run_pipeline(pair.graphs[name], level=2)
+        out, separate = quantize_activations(g), rewrite(g, [r for r in RULES if r.name != "quantizing_core"],
+                                                         name="quantize_activations")
+        producers = out.producers()
+        cores = [n for n in out.nodes if n.op in CORES]
+        assert cores and all(n.attr.get("q8_out") for n in cores), name
+        assert not any(producers.get(n.inputs[0]) in cores for n in out.nodes if n.op == "quantize_q8_0"), name
+        assert sum(separate.op_counts().get(op, 0) for op in CORES) == len(cores)
+        assert out.op_counts()["quantize_q8_0"] == separate.op_counts()["quantize_q8_0"] - len(cores)
+        assert worst_relative(separate, out, pair.weights) == 0.0, name
+
+
+def test_a_core_whose_heads_straddle_blocks_keeps_its_output(tiny_models):
+    """A value head dim that is not a multiple of 32 (the tiny model's Gated DeltaNet heads of
+    16): the quantisation stays a node; its attention heads of 32 quantise in the core."""
+    out = quantize_activations(run_pipeline(tiny_models("qwen35", "q8_0").graphs["target.decode"], level=2))
+    producers = out.producers()
+    recurrent = [n for n in out.nodes if n.op == "fused_gated_deltanet"]
+    assert recurrent and not any(n.attr.get("q8_out") for n in recurrent)
+    read = [producers[producers[n.inputs[0]].inputs[0]] for n in out.nodes if n.op == "quantize_q8_0"
+            and producers[n.inputs[0]].op == "reshape"]
+    assert sorted(map(id, read)) == sorted(map(id, recurrent))
+    assert all(n.attr["q8_out"] for n in out.nodes if n.op == "fused_attention")
 
 
 def test_moe_experts_read_a_quantisation_of_the_layer_x_and_the_router_keeps_x(tiny_models):

@@ -40,7 +40,7 @@ from typing import Callable
 from dflash_ir import activations
 from dflash_ir.ir import Value
 from dflash_ir.ops.fused import attention_inputs
-from dflash_ir.ops.position import frequency_components, inv_freq_f32
+from dflash_ir.ops.position import RotaryPairs, frequency_components, inv_freq_f32, rotate
 from dflash_ir.types import Dim
 
 from ..kir import F32, I32, I64, K, call, cast, const, maximum, minimum, select, vsum
@@ -48,7 +48,6 @@ from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import KERNEL, read, weight_at, write
 from .linalg import Q8_VALUES, store_q8_block
-from .position import RotaryPairs
 from .shapes import FLAT, cdiv, flat_index, prod
 
 THREADS = 64         # GPU: threads of a (row, head) work-group
@@ -113,10 +112,6 @@ class _Rope:
             else self.positions[row]
         return cast(F32, position) * self.freq[i]
 
-    @staticmethod
-    def rotate(lo: K, hi: K, c: K, s: K) -> tuple[K, K]:
-        """A pair (`pairs`' dims of a frequency) rotated by the angle whose cos and sin are c, s."""
-        return lo * c - hi * s, hi * c + lo * s
 
 
 class _Projection:
@@ -163,7 +158,7 @@ class _Projection:
             c, s = kb.let("cs", call("cos", angle)), kb.let("sn", call("sin", angle))
             first, second = rope.pairs.dims(i)
             lo, hi = kb.let("xlo", self.normed(start, r, first)), kb.let("xhi", self.normed(start, r, second))
-            x, y = rope.rotate(lo, hi, c, s)
+            x, y = rotate(lo, hi, c, s)
             store(first, x)
             store(second, y)
         if not (isinstance(self.d, int) and rope.n_rot == self.d):
@@ -176,14 +171,13 @@ class _Projection:
         rope = self.rope
         value = kb.declare("rv", F32)
         with kb.if_(e < rope.n_rot):
-            frequency, is_first = rope.pairs.of(e)
+            frequency, is_first = rope.pairs.of(e, select)
             i = kb.let("ri", frequency)
             angle = kb.let("angle", rope.angle(row, i))
             c, s = kb.let("cs", call("cos", angle)), kb.let("sn", call("sin", angle))
             first, second = rope.pairs.dims(i)
             lo, hi = kb.let("xlo", self.normed(start, r, first)), kb.let("xhi", self.normed(start, r, second))
-            x, y = rope.rotate(lo, hi, c, s)
-            kb.set(value, select(is_first, x, y))
+            kb.set(value, select(is_first, *rotate(lo, hi, c, s)))
         with kb.else_():
             kb.set(value, self.normed(start, r, e))
         return value

@@ -1,33 +1,15 @@
 """Rotary embedding: one thread per output element. The f32 inverse frequencies and the
 position component of each frequency (M-RoPE sections, interleaved or not) are computed by
 the op's own helpers at compile time and baked in as tables, so the angle f32(pos) * inv_freq
-is the reference's f32 product. `RotaryPairs` says which dims rotate together, here and in
-the fused attention kernels."""
+is the reference's f32 product; the pairs and their rotation are the op's (RotaryPairs,
+rotate), here and in the fused attention kernels."""
 from __future__ import annotations
 
-from dflash_ir.ops.position import frequency_components, inv_freq_f32
+from dflash_ir.ops.position import RotaryPairs, frequency_components, inv_freq_f32, rotate
 
 from ..kir import F32, I32, K, call, cast, select
 from ..lowering import NodeCtx, dim, lowers
 from .shapes import flat_launch
-
-
-class RotaryPairs:
-    """The rope op's `pairs` (ops/position.py) as kernel index expressions."""
-
-    def __init__(self, n_rot: int, pairs: str):
-        self.half = n_rot // 2
-        self.adjacent = pairs == "adjacent"
-
-    def dims(self, i: K | int) -> tuple[K | int, K | int]:
-        """The dims of frequency i's pair."""
-        return (i * 2, i * 2 + 1) if self.adjacent else (i, i + self.half)
-
-    def of(self, e: K) -> tuple[K, K]:
-        """(frequency, whether e is its pair's first dim) of dim e < n_rot."""
-        if self.adjacent:
-            return e >> 1, (e & 1).eq(0)
-        return select(e < self.half, e, e - self.half), e < self.half
 
 
 @lowers("rope")
@@ -49,11 +31,11 @@ def rope(ctx: NodeCtx) -> None:
             kb.emit(K("return"))
         freq = kb.array("inv_freq", F32, half, init=[float(f) for f in inv_freq])
         comp = kb.array("comp", I32, half, init=[int(c) for c in components]) if pos_value.type.rank == 2 else None
-        frequency, first = pairs.of(dd)
+        frequency, first = pairs.of(dd, select)
         j = kb.let("j", frequency)
         position = pos[t * dim(pos_value.type.shape[1]) + comp[j]] if comp is not None else pos[t]
         angle = kb.let("angle", cast(F32, position) * freq[j])
         c, s = kb.let("c", call("cos", angle)), kb.let("s", call("sin", angle))
         lo, hi = (kb.let(name, x[i - dd + at]) for name, at in zip(("lo", "hi"), pairs.dims(j)))
-        out[i] = select(first, lo * c - hi * s, hi * c + lo * s)
+        out[i] = select(first, *rotate(lo, hi, c, s))
     flat_launch(ctx, compute)

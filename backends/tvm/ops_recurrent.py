@@ -1,8 +1,9 @@
 """Rotary embedding and the Gated DeltaNet state ops.
 
 rope: one element per block point; the f32 inverse frequency is computed in the kernel as
-the reference rounds it (f32 exponent, f64 power, f32 result) and cos/sin are taken in f64
-of the f32 angle, as the reference does. causal_conv1d: a reduction block for y and copies
+the reference rounds it (f32 exponent, f64 power, f32 result), cos/sin are taken in f64 of
+the f32 angle, as the reference does, and the pairs and their rotation are the op's
+(RotaryPairs, rotate) written as TIR. causal_conv1d: a reduction block for y and copies
 for the new (and per-row) states. gated_delta_rule: one sequential point per state column
 (v head, value dim) keeping S[:, col] in local memory while it walks the rows; on the llvm
 target a task per v head instead (cpu_schedules.delta_rule_nest). The fused
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_ir.ops.position import frequency_components
+
+from dflash_ir.ops.position import RotaryPairs, frequency_components, rotate
 
 from ..kernels.recurrent import gated_deltanet_parts
 from .cpu_schedules import delta_rule_nest
 from .lowering import TVMNodeCtx, lowers
-from .tir import block, dim, f32, weight_at
+from .tir import TIR, _IndexText, _Text, block, dim, f32, weight_at
 
 
 def _select(index: str, values, literal=lambda v: str(int(v))) -> str:
@@ -40,19 +42,19 @@ def rope(ctx: TVMNodeCtx) -> None:
     t, h, d = x.type.shape
     n_rot = ctx.attr["n_rot"]
     half = n_rot // 2
-    theta = float(np.float64(np.float32(ctx.attr["theta"])))
     components = frequency_components(half, tuple(ctx.attr.get("sections", ())), ctx.attr.get("interleaved", False))
     D, H = dim(d), dim(h)
-    if ctx.attr.get("pairs", "halves") == "adjacent":  # ops/position.py: pairs (2j, 2j + 1)
-        j, first, second, is_first = "(dd // 2)", "(dd // 2) * 2", "(dd // 2) * 2 + 1", "dd % 2 == 0"
-    else:  # pairs (j, j + n_rot/2)
-        j = f"T.if_then_else(dd < {half}, dd, dd - {half})"
-        first, second, is_first = j, f"{j} + {half}", f"dd < {half}"
+    pairs = RotaryPairs(n_rot, ctx.attr.get("pairs", "halves"))
+    j, is_first = pairs.of(_IndexText("dd"), TIR.select)
+    first, second = pairs.dims(j)
+    # inv_freq_f32's rounding (f32 exponent, f64 power, f32 result), computed here: TVM's OpenCL C
+    # prints a float32 literal to ~7 digits, which a large position's angle would multiply
+    theta = float(np.float64(np.float32(ctx.attr["theta"])))
     inv_freq = (f'(T.float32(1) / T.Cast("float32", T.pow(T.float64({theta!r}), '
                 f'T.Cast("float64", T.Cast("float32", 2 * {j}) / T.float32({n_rot})))))')
     factors = ctx.attr.get("freq_factors", ())
     if factors:  # ops/position.py: the inverse frequency divided by its factor, in f32
-        inv_freq = f"({inv_freq} / {_select(j, factors, lambda v: f'T.float32({float(np.float32(v))!r})')})"
+        inv_freq = f"({inv_freq} / {_select(j, factors, lambda v: f32(float(v)))})"
     if pos.type.rank == 2:
         position = f"pos[ti * {dim(pos.type.shape[1])} + {_select(j, components)}]"
     else:
@@ -60,9 +62,9 @@ def rope(ctx: TVMNodeCtx) -> None:
     angle = f'T.Cast("float64", T.Cast("float32", {position}) * {inv_freq})'
     c, s = f'T.Cast("float32", T.cos({angle}))', f'T.Cast("float32", T.sin({angle}))'
     base = f"(ti * {H} + hi) * {D}"
-    lo, hi = f"x[{base} + {first}]", f"x[{base} + {second}]"
-    value = (f"T.if_then_else(dd >= {n_rot}, x[{base} + dd], T.if_then_else({is_first}, {lo} * {c} - {hi} * {s}, "
-             f"{hi} * {c} + {lo} * {s}))")
+    lo, hi = _Text(f"x[{base} + {first}]"), _Text(f"x[{base} + {second}]")
+    x_turned, y_turned = rotate(lo, hi, _Text(c), _Text(s))
+    value = f"T.if_then_else(dd >= {n_rot}, x[{base} + dd], T.if_then_else({is_first}, {x_turned}, {y_turned}))"
     ctx.kernel("rope", [("x", x, False), ("pos", pos, False), ("out", ctx.outs[0], True)],
                block([("ti", dim(t)), ("hi", H), ("dd", D)], f"out[{base} + dd] = {value}"))
 

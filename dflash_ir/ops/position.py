@@ -91,10 +91,31 @@ def frequency_components(half: int, sections: tuple[int, ...], interleaved: bool
     return component
 
 
-def pair_dims(n_rot: int, pairs: str) -> tuple[slice, slice]:
-    """The dims of each pair's first and second element, frequency by frequency."""
-    return (slice(0, n_rot, 2), slice(1, n_rot, 2)) if pairs == "adjacent" else \
-        (slice(0, n_rot // 2), slice(n_rot // 2, n_rot))
+class RotaryPairs:
+    """Which dims of a head rotate together (`pairs`), as index arithmetic on any operands
+    (ints, numpy arrays, kernel-layer or TVMScript expressions), so the reference, the kernel
+    layer and TVM read one definition: halves pairs (i, i + n_rot/2), adjacent (2i, 2i + 1)."""
+
+    def __init__(self, n_rot: int, pairs: str):
+        self.half = n_rot // 2
+        self.adjacent = pairs == "adjacent"
+
+    def dims(self, i):
+        """The dims of frequency i's pair."""
+        return (i * 2, i * 2 + 1) if self.adjacent else (i, i + self.half)
+
+    def of(self, e, select):
+        """(frequency, whether e is its pair's first dim) of dim e < n_rot; `select(c, a, b)`
+        is the operands' choice."""
+        if self.adjacent:
+            return e >> 1, (e & 1) < 1
+        return select(e < self.half, e, e - self.half), e < self.half
+
+
+def rotate(lo, hi, c, s):
+    """A pair (lo, hi) turned by the angle whose cosine and sine are c and s: the rotation of
+    the reference, the kernel layer and TVM (operands with *, - and +)."""
+    return lo * c - hi * s, hi * c + lo * s
 
 
 @defop("rope", _rope_rule)
@@ -109,11 +130,9 @@ def rope(x, pos, *, n_rot, theta, sections=(), interleaved=False, pairs="halves"
     angle = positions.astype(F32) * inv_freq_f32(n_rot, theta, freq_factors)
     cos = np.cos(angle.astype(np.float64)).astype(F32)[:, None, :]
     sin = np.sin(angle.astype(np.float64)).astype(F32)[:, None, :]
-    first, second = pair_dims(n_rot, pairs)
-    x1, x2 = x[..., first], x[..., second]
+    first, second = RotaryPairs(n_rot, pairs).dims(np.arange(half))
     y = x.copy()
-    y[..., first] = x1 * cos - x2 * sin
-    y[..., second] = x2 * cos + x1 * sin
+    y[..., first], y[..., second] = rotate(x[..., first], x[..., second], cos, sin)
     return y
 
 

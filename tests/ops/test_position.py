@@ -1,9 +1,11 @@
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dflash_ir.ops.position import inv_freq_f32
+from dflash_ir.ops.position import RotaryPairs, inv_freq_f32, rotate
 from dflash_ir.ops.registry import OpError, get_op
 from dflash_ir.types import parse_type
 
@@ -178,3 +180,26 @@ def test_rope_rule_accepts():
 def test_rope_rule_rejects(x, pos, attrs, message):
     with pytest.raises(OpError, match=f"rope: .*{message}"):
         types("rope", x, pos, **{"n_rot": 8, "theta": 1e4, **attrs})
+
+
+# a rotary pair's rotation written out: `lo * c - hi * s` in Python, kernel-layer or TVMScript text
+ROTATION_WRITTEN_OUT = re.compile(r"\* *\{?(c|cos|cs)\}? *- *\{?\w+\}? *\* *\{?(s|sin|sn)\b")
+
+
+def test_the_rotation_and_its_pairs_are_written_once():
+    """The reference, the kernel layer (rope and the fused attention) and TVM's rope call
+    `rotate` and `RotaryPairs`: only ops/position.py writes the rotation, and the pair maps
+    agree with themselves on every dim (numpy operands here; kir and TIR in the kernel cases)."""
+    root = Path(__file__).resolve().parents[2]
+    hits = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+            for folder in ("dflash_ir", "backends", "models", "passes") for path in sorted((root / folder).rglob("*.py"))
+            if path != root / "dflash_ir" / "ops" / "position.py"
+            for n, line in enumerate(path.read_text().splitlines(), 1) if ROTATION_WRITTEN_OUT.search(line)]
+    assert not hits, "\n".join(hits)
+    for pairs in ("halves", "adjacent"):
+        p = RotaryPairs(8, pairs)
+        frequency, first = p.of(np.arange(8), np.where)
+        dims = np.stack(p.dims(np.arange(4)), axis=1)
+        assert sorted(dims.ravel()) == list(range(8))
+        assert all(dims[frequency[e], 0 if first[e] else 1] == e for e in range(8))
+    assert rotate(1.0, 0.0, 0.0, 1.0) == (0.0, 1.0)  # a quarter turn takes (1, 0) to (0, 1)

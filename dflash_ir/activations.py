@@ -8,7 +8,8 @@ its order live here only: a backend chooses how an intrinsic is spelled, not wha
 computed. A formula uses Python's + - * / and unary -, comparisons with >=, float constants,
 and the methods of its math (a `Math`, which has let, sigmoid and softplus already):
 
-    m.exp(x), m.fabs(x), m.log1p(x)   the intrinsics, on f32
+    m.exp(x), m.fabs(x), m.log1p(x),
+    m.sqrt(x)                         the intrinsics, on f32
     m.maximum(a, b)                   the larger
     m.select(c, a, b)                 a where c, else b (both evaluated)
     m.let(x)                          x, computed once where the target has statements
@@ -29,6 +30,13 @@ def sigmoid(m, x):
 def softplus(m, x):
     """log(1+e^x), stable for large |x|: max(x, 0) + log1p(e^-|x|) (numpy's logaddexp(0, x))."""
     return m.maximum(x, 0.0) + m.log1p(m.exp(-m.fabs(x)))
+
+
+def inverse_rms(m, squares, n, eps):
+    """A norm's scale from the sum of its squares: 1/sqrt(squares/n + eps), rmsnorm's mean of
+    n squares (n None: the sum itself, l2norm's HF/FLA convention). How the squares are summed
+    is each kernel's schedule; what is made of the sum is this."""
+    return 1.0 / m.sqrt((squares if n is None else squares / n) + eps)
 
 
 def silu(m, x):
@@ -67,7 +75,7 @@ class Math:
 
 class _Numpy(Math):
     """The reference's math: numpy arrays (f32 stays f32: Python floats are weak scalars)."""
-    exp, fabs, log1p, maximum, select = np.exp, np.abs, np.log1p, np.maximum, staticmethod(np.where)
+    exp, fabs, log1p, sqrt, maximum, select = np.exp, np.abs, np.log1p, np.sqrt, np.maximum, staticmethod(np.where)
 
 
 NUMPY = _Numpy()

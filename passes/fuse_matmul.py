@@ -87,7 +87,8 @@ def _swiglu(m, emit):
 
 def _swiglu_q8(m, emit):
     product = m.node("product")
-    return emit.op("fused_matmul", *(emit.value(n) for n in product.inputs), **{**product.attr, "epilogue": "swiglu_q8"})
+    inputs = (emit.value(n) for n in product.inputs)
+    return emit.op("fused_matmul", *inputs, **{**product.attr, "epilogue": "swiglu_q8"})
 
 
 RULES = [Rule("norm", P(("matmul_group", *PRODUCTS, "fused_matmul", "quantize_q8_0"), output=None), _norm),

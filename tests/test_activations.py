@@ -16,15 +16,16 @@ from dflash_ir.backends.kernels import elementwise  # the package: every kernel 
 from dflash_ir.backends.lowering import LOWERINGS
 from dflash_ir.backends.tvm import ops_elementwise
 from dflash_ir.backends.tvm.lowering import TVM_LOWERINGS
-from dflash_ir.backends.tvm.tir import activation
+from dflash_ir.backends.tvm.tir import TIR, _Text, activation
 from dflash_ir.ops.registry import get_op
 
 F32 = np.float32
 REPO = Path(__file__).resolve().parents[1]
 # a sigmoid or softplus written out (numpy's, the kernel layer's or TensorIR's spelling of
-# the formula's first step), or the kernel layer's device functions called past its math
+# the formula's first step), a norm's inverse RMS (its square root), or the kernel layer's
+# device functions called past its math
 WRITTEN_OUT = re.compile(r'np\.exp\(-np\.abs|logaddexp|exp", -call\("fabs|T\.exp\(-T\.fabs|T\.log\(T\.float32\(1\)'
-                         r'|\bSIGMOID\b|\bSOFTPLUS\b')
+                         r'|np\.sqrt\(|call\("sqrt"|T\.sqrt\(|\bSIGMOID\b|\bSOFTPLUS\b')
 SWEEP = np.concatenate([np.linspace(-120, 120, 4801), [0.0, -0.0, 1e-30, -1e-30]]).astype(F32)
 
 
@@ -41,6 +42,21 @@ def test_the_formulas_give_hand_derived_values_without_overflow():
     assert activations.softplus(NUMPY, F32(0)) == F32(math.log(2))
     assert activations.softplus(NUMPY, F32(100)) == F32(100)
     assert activations.swiglu(NUMPY, F32(2), F32(3)) == F32(2) * activations.sigmoid(NUMPY, F32(2)) * F32(3)
+
+
+def test_a_norms_scale_is_one_over_the_root_of_its_mean_square():
+    """rmsnorm's scale from the sum of n squares, l2norm's from the sum itself; the reference
+    norms are x times it, bit for bit what numpy's mean made of the same squares."""
+    assert activations.inverse_rms(NUMPY, F32(12), 3, F32(0)) == F32(0.5)
+    assert activations.inverse_rms(NUMPY, F32(16), None, F32(0)) == F32(0.25)
+    x = (np.random.default_rng(3).standard_normal((5, 4096)) * 30).astype(F32)
+    eps = F32(1e-6)
+    mean_square = np.mean(x * x, axis=-1, keepdims=True)
+    np.testing.assert_array_equal(get_op("rmsnorm").reference(x, eps=1e-6), x * (1 / np.sqrt(mean_square + eps)))
+    np.testing.assert_array_equal(get_op("l2norm").reference(x, eps=1e-6),
+                                  x * (1 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)))
+    assert str(activations.inverse_rms(TIR, _Text("s"), _Text("n"), 1e-6)) == \
+        "(T.float32(1.0) / T.sqrt(((s / n) + T.float32(9.999999974752427e-07))))"
 
 
 def test_softplus_is_numpys_logaddexp_to_three_ulps():

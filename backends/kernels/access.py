@@ -173,7 +173,7 @@ class _KernelMath(activations.Math):
     def __init__(self, kb=None, name: str = "e"):
         self.kb, self.name = kb, name
 
-    exp, fabs, log1p = (staticmethod(lambda x, f=f: call(f, x)) for f in ("exp", "fabs", "log1p"))
+    exp, fabs, log1p, sqrt = (staticmethod(lambda x, f=f: call(f, x)) for f in ("exp", "fabs", "log1p", "sqrt"))
     maximum, select = staticmethod(maximum), staticmethod(select)
 
     def let(self, x: K) -> K:

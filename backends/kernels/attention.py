@@ -140,8 +140,8 @@ class _Projection:
             x = kb.let(f"{name}_x", self.buf.load(start + e, lanes=lanes))
             kb.set(ss, call("fma", x, x, ss))
         total = vsum(ss) if lanes > 1 else ss
-        mean = total / (float(d) if isinstance(d, int) else cast(F32, dim(d)))
-        return kb.let(f"{name}_r", 1.0 / call("sqrt", mean + float(self.eps)))
+        n = float(d) if isinstance(d, int) else cast(F32, dim(d))
+        return kb.let(f"{name}_r", activations.inverse_rms(KERNEL, total, n, float(self.eps)))
 
     def normed(self, start: K, r: K | None, e: K) -> K:
         """Element e of the rmsnorm'd row: the rmsnorm op's (x * r) * w (x without a norm)."""
@@ -271,7 +271,8 @@ class _Attention:
         """Output element (row, h, c): the attention value, times sigmoid(gate) when gated."""
         if not self.gated:
             return value
-        return activations.sigmoid_gate(KERNEL, value, self.q[_head_start(row, self.H, h, self.q_width) + dim(self.D) + c])
+        gate = self.q[_head_start(row, self.H, h, self.q_width) + dim(self.D) + c]
+        return activations.sigmoid_gate(KERNEL, value, gate)
 
     def store_out(self, row: K, h: K, c: K, value: K) -> None:
         self.out[_head_start(row, self.H, h, self.DV) + c] = self.output(row, h, c, value)

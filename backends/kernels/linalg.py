@@ -356,7 +356,7 @@ def _gemv_inverse_rms(kb: KernelSpec, g: Gemv, rows: int, count: K, r0: K, x: Bu
                 red[r * GEMV_THREADS + t] = red[r * GEMV_THREADS + t] + red[r * GEMV_THREADS + t + s]
         kb.barrier()
     with kb.if_(t < rows):
-        inv[t] = 1.0 / call("sqrt", red[t * GEMV_THREADS] / cast(F32, k) + float(norm[1]))
+        inv[t] = activations.inverse_rms(KERNEL, red[t * GEMV_THREADS], cast(F32, k), float(norm[1]))
     kb.barrier()
 
 

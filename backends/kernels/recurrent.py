@@ -157,8 +157,8 @@ def fused_reads(ctx: NodeCtx, kb: KernelSpec) -> Reads:
             qa, ka = kb.let("qa", mixed[q_at(e)]), kb.let("ka", mixed[k_at(e)])
             kb.set(qn, qn + qa * qa)
             kb.set(kn, kn + ka * ka)
-        kb.set(qn, 1.0 / call("sqrt", qn + eps))
-        kb.set(kn, 1.0 / call("sqrt", kn + eps))
+        kb.set(qn, activations.inverse_rms(KERNEL, qn, None, eps))
+        kb.set(kn, activations.inverse_rms(KERNEL, kn, None, eps))
         return lambda h: Token(lambda e: mixed[q_at(e)] * qn, lambda e: mixed[k_at(e)] * kn,
                                lambda c: mixed[cast(I64, t) * channels + 2 * kd + h * dv + c],
                                *_gates(gate_a, gate_b, dt_bias, ssm_a, hv, t, h))
@@ -253,8 +253,8 @@ def conv_reads(kb: KernelSpec, conv: Conv, gates: Callable[[K, K], tuple[K, K]],
             with conv.key_channels(kb) as i:
                 qk[i] = conv.silu(kb, t, kb.let("ch", conv.qk_channel(kh, i)))
             kb.barrier()
-        qn = kb.let("qn", 1.0 / call("sqrt", _sum_squares(kb, qk, 0, dk, "qss") + eps))
-        kn = kb.let("kn", 1.0 / call("sqrt", _sum_squares(kb, qk, dk, dk, "kss") + eps))
+        qn = kb.let("qn", activations.inverse_rms(KERNEL, _sum_squares(kb, qk, 0, dk, "qss"), None, eps))
+        kn = kb.let("kn", activations.inverse_rms(KERNEL, _sum_squares(kb, qk, dk, dk, "kss"), None, eps))
         return lambda h: Token(lambda e: qk[e] * qn, lambda e: qk[e + dk] * kn,
                                lambda c: conv.silu(kb, t, conv.v_channel(h, c)), *gates(t, h),
                                v_raw=lambda c: conv.raw(kb, t, conv.v_channel(h, c)))
@@ -297,7 +297,7 @@ class NormGate:
 
     def inverse_rms(self, kb: KernelSpec, total: K) -> K:
         """r from a v head's whole sum of squares."""
-        return kb.let("rn", 1.0 / call("sqrt", total / self.dv + self.eps))
+        return kb.let("rn", activations.inverse_rms(KERNEL, total, self.dv, self.eps))
 
     def _z(self, t: K, h: K, c: K) -> K:
         return (cast(I64, t) * self.hv + h) * self.dv + c

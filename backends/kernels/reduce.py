@@ -4,6 +4,7 @@ memory), argmax (a work-group per row), top-k (a thread per row: k is small), an
 argmax take a work-item per row instead (row_per_item)."""
 from __future__ import annotations
 
+from dflash_ir import activations
 from dflash_ir.dtypes import DType
 
 from ..kir import F32, I32, I64, K, call, cast, const, maximum, select, var, vsum
@@ -33,7 +34,7 @@ def inverse_rms_lanes(kb, x, xr: K, n: int, eps: float, mean: bool = True, name:
     with kb.loop("c", 0, n, LANES) as c:
         v = kb.let("xv", x.load(xr + c, lanes=LANES))
         kb.set(ss, call("fma", v, v, ss))
-    return kb.let(f"{name}_r", 1.0 / call("sqrt", (vsum(ss) / float(n) if mean else vsum(ss)) + float(eps)))
+    return kb.let(f"{name}_r", activations.inverse_rms(access.KERNEL, vsum(ss), float(n) if mean else None, float(eps)))
 
 
 def inverse_rms(kb, x, xr: K, n: K, threads: int, eps: float, mean: bool = True) -> K:
@@ -46,7 +47,7 @@ def inverse_rms(kb, x, xr: K, n: K, threads: int, eps: float, mean: bool = True)
         kb.set(acc, acc + x[xr + k] * x[xr + k])
     red[lid] = acc
     kb.wg_reduce(red, threads, "sum")
-    return kb.let("r", 1.0 / call("sqrt", (red[0] / n if mean else red[0]) + float(eps)))
+    return kb.let("r", activations.inverse_rms(access.KERNEL, red[0], n if mean else None, float(eps)))
 
 
 def _norm(ctx: NodeCtx, mean: bool) -> None:

@@ -3,11 +3,12 @@ reduction rules schedule them on GPUs); argmax and top-k as a sequential scan pe
 (ties to the lower index, as the reference's stable order); sum as one reduction block."""
 from __future__ import annotations
 
+from dflash_ir import activations
 from dflash_ir.dtypes import DType
 from dflash_ir.types import TensorType
 
 from .lowering import TVMNodeCtx, lowers
-from .tir import block, dim, f32, prod, weight_at
+from .tir import TIR, _Text, block, dim, f32, prod, weight_at
 
 
 def _norm(ctx: TVMNodeCtx, mean: bool) -> None:
@@ -18,8 +19,9 @@ def _norm(ctx: TVMNodeCtx, mean: bool) -> None:
     ctx.kernel(f"{ctx.node.op}_sumsq", [("x", x, False), ("ss", ss, True)],
                block([("r", rows)], f"ss[r] = ss[r] + x[r * {N} + k] * x[r * {N} + k]", reduce=[("k", N)],
                      init="ss[r] = T.float32(0)"))
-    total = f"ss[r] / T.float32({N})" if mean else "ss[r]"
-    value = f"x[r * {N} + k] * (T.float32(1) / T.sqrt({total} + {f32(ctx.attr['eps'])}))"
+    scale = activations.inverse_rms(TIR, _Text("ss[r]"), _Text(f"T.float32({N})") if mean else None,
+                                    float(ctx.attr["eps"]))
+    value = f"x[r * {N} + k] * {scale}"
     buffers = [("x", x, False), ("ss", ss, False)]
     if len(ctx.ins) > 1:
         w = ctx.ins[1]

@@ -150,7 +150,8 @@ class _TirMath(activations.Math):
     repeated) and selects, not if_then_else (a select stays one vector op when TVM
     vectorises)."""
 
-    exp, fabs, log1p = (staticmethod(lambda x, f=f: _Text(f"T.{f}({x})")) for f in ("exp", "fabs", "log1p"))
+    exp, fabs, log1p, sqrt = (staticmethod(lambda x, f=f: _Text(f"T.{f}({x})"))
+                              for f in ("exp", "fabs", "log1p", "sqrt"))
 
     @staticmethod
     def maximum(a, b) -> _Text:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import activations
+from ..activations import NUMPY
 from ..dtypes import DType
 from ..types import TensorType
 from .linalg import as_f32
@@ -39,7 +41,7 @@ def _rmsnorm_rule(x: TensorType, w: TensorType | None = None, *, eps) -> TensorT
 @defop("rmsnorm", _rmsnorm_rule)
 def rmsnorm(x, w=None, *, eps):
     """x * rsqrt(mean(x²) + eps) [* w] over the last dim (GGUF norm weights carry the +1)."""
-    y = x * (1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps)))
+    y = x * activations.inverse_rms(NUMPY, np.sum(x * x, axis=-1, keepdims=True), x.shape[-1], F32(eps))
     return y if w is None else y * as_f32(w)
 
 
@@ -53,7 +55,7 @@ def _l2norm_rule(x: TensorType, *, eps) -> TensorType:
 @defop("l2norm", _l2norm_rule)
 def l2norm(x, *, eps=1e-6):
     """x * rsqrt(sum(x²) + eps) over the last dim (HF/FLA convention used for GDN q and k)."""
-    return x * (1 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + F32(eps)))
+    return x * activations.inverse_rms(NUMPY, np.sum(x * x, axis=-1, keepdims=True), None, F32(eps))
 
 
 def _softmax_rule(x: TensorType, *, axis) -> TensorType:

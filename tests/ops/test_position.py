@@ -192,7 +192,8 @@ def test_the_rotation_and_its_pairs_are_written_once():
     agree with themselves on every dim (numpy operands here; kir and TIR in the kernel cases)."""
     root = Path(__file__).resolve().parents[2]
     hits = [f"{path.relative_to(root)}:{n}: {line.strip()}"
-            for folder in ("dflash_ir", "backends", "models", "passes") for path in sorted((root / folder).rglob("*.py"))
+            for folder in ("dflash_ir", "backends", "models", "passes")
+            for path in sorted((root / folder).rglob("*.py"))
             if path != root / "dflash_ir" / "ops" / "position.py"
             for n, line in enumerate(path.read_text().splitlines(), 1) if ROTATION_WRITTEN_OUT.search(line)]
     assert not hits, "\n".join(hits)

@@ -47,7 +47,7 @@ from ..kir import F32, I32, I64, K, call, cast, const, maximum, minimum, select,
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, dim, lowers
 from .access import KERNEL, read, weight_at, write
-from .linalg import Q8_VALUES, store_q8_block
+from .linalg import Q8_VALUES, store_q8_blocks
 from .shapes import FLAT, cdiv, flat_index, prod
 
 THREADS = 64         # GPU: threads of a (row, head) work-group
@@ -281,9 +281,7 @@ class _Attention:
         """Output row (row, h) as Q8_0 blocks (`q8_out`) from its values at(c), blocks first,
         first + step, ... of the head's (a work-item takes every step-th)."""
         per_head = self.DV // Q8_VALUES
-        with self.kb.loop("qb", first, per_head, step) as b:
-            store_q8_block(self.kb, self.out, (cast(I64, row) * self.H + h) * per_head + b,
-                           lambda e: at(b * Q8_VALUES + e))
+        store_q8_blocks(self.kb, self.out, (cast(I64, row) * self.H + h) * per_head, per_head, at, first, step)
 
     # -- GPU: a work-group per (row, head) ---------------------------------------------------
     def gpu(self) -> None:

@@ -227,6 +227,14 @@ def store_q8_block(kb: KernelSpec, out: Buffer, block: K, value: Callable[[K], K
         out.store(cast(I64, block) * Q8_BLOCK + 2 + e, cast(I32, call("round", value(e) * inv)), "u8")
 
 
+def store_q8_blocks(kb: KernelSpec, out: Buffer, first: K, count: int, values: Callable[[K], K],
+                    start: K | int = 0, step: int = 1) -> None:
+    """A row of `count` Q8_0 blocks of out from block `first` on, block b from values(32 b + e),
+    its blocks start, start + step, ... (a work-item taking every step-th)."""
+    with kb.loop("qb", start, count, step) as b:
+        store_q8_block(kb, out, first + b, lambda e: values(b * Q8_VALUES + e))
+
+
 def _q8_words(buf: Buffer, block: K, word: K) -> K:
     """Word `word` (0..7) of the Q8_0 block at byte `block`: its quants 4w .. 4w+3 as the
     bytes of an int (read as two u16: blocks are only 2-byte aligned)."""

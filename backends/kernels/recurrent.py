@@ -15,7 +15,7 @@ from ..kir import F32, I64, K, call, cast, const, minimum, select, vsum
 from ..kir.build import Array, Buffer
 from ..lowering import KernelSpec, NodeCtx, NodeCtxBase, dim, lowers
 from .access import KERNEL, inline, weight_at
-from .linalg import Q8_VALUES, store_q8_block
+from .linalg import Q8_VALUES, store_q8_block, store_q8_blocks
 from .shapes import FLAT, cdiv, pow2_threads
 
 
@@ -356,10 +356,7 @@ class DeltaRule:
 
     def store_q8_row(self, kb: KernelSpec, t: K, h: K, values: Callable[[K], K]) -> None:
         """v head h's output row of token t (values(c)) as its Q8_0 blocks (`q8_out`)."""
-        per_head = self.q8_blocks
-        with kb.loop("qb", 0, per_head) as b:
-            store_q8_block(kb, self.states.out, (cast(I64, t) * self.hv + h) * per_head + b,
-                           lambda e: values(b * Q8_VALUES + e))
+        store_q8_blocks(kb, self.states.out, (cast(I64, t) * self.hv + h) * self.q8_blocks, self.q8_blocks, values)
 
     def store_q8_group(self, kb: KernelSpec, t: K, kh: K, lid: K, rows: Array) -> None:
         """Token t's output rows of k head kh's work-group as Q8_0 blocks (`q8_out`), from

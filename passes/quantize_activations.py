@@ -56,7 +56,7 @@ def _quantizing_core(m, emit):
     core, rows = m.node("core"), m.value.type.shape[0]
     head_dim = emit.value(core.inputs[2]).type.shape[2] if core.op == "fused_attention" else \
         core.outputs[0].type.shape[2]
-    if core.attr.get("q8_out") or not isinstance(head_dim, int) or head_dim % DType.Q8_0.block_size:
+    if not isinstance(head_dim, int) or head_dim % DType.Q8_0.block_size:
         return None
     if core.op == "fused_gated_deltanet" and m["flat"].type.shape != (rows, math.prod(core.outputs[0].type.shape[1:])):
         return None

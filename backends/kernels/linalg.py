@@ -597,7 +597,7 @@ def _tiles(kb: KernelBuilder, bufs: dict, t: Tiled, M: K, R: int, P: int, items:
     which the work-group takes once per R rows into local memory, between barriers, instead
     of every work-item by VPDPBUSD per row and word. With `q8_out` the work-group's SwiGLU rows
     go through work-group memory, whose Q8_0 blocks its work-items then write in turn
-    (_store_q8_rows)."""
+    (_GroupActs)."""
     u0 = kb.let("u0", (kb.gid(0) * items + kb.lid(0)) * P)
     dtype = t.weights[0].dtype
     sub = DType.Q8_0.block_size if dtype is DType.Q8_0 else DECODERS[dtype].sub

@@ -36,7 +36,7 @@ from .rules import (
 )
 
 F32 = np.float32
-Q8_BLOCK = DType.Q8_0.block_size
+Q8_VALUES = DType.Q8_0.block_size
 VARIANTS = ("decode", "block", "prefill")
 
 
@@ -53,8 +53,8 @@ def _q8_rows(y: TensorType, q8_out, head_dim) -> TensorType:
     head's row at a time, so a block must not straddle two heads."""
     if not bool_attr("q8_out", q8_out):
         return y
-    check(isinstance(head_dim, int) and head_dim % Q8_BLOCK == 0,
-          f"q8_out quantises each head's row in blocks of {Q8_BLOCK}: the head dim {head_dim} must be a multiple")
+    check(isinstance(head_dim, int) and head_dim % Q8_VALUES == 0,
+          f"q8_out quantises each head's row in blocks of {Q8_VALUES}: the head dim {head_dim} must be a multiple")
     return _infer("quantize_q8_0", f32((y.shape[0], math.prod(y.shape[1:]))))[0]
 
 

@@ -10,8 +10,10 @@ and the methods of its math (a `Math`, which has let, sigmoid and softplus alrea
 
     m.exp(x), m.fabs(x), m.log1p(x),
     m.sqrt(x)                         the intrinsics, on f32
-    m.maximum(a, b)                   the larger
+    m.maximum(a, b), m.minimum(a, b)  the larger, the smaller
     m.select(c, a, b)                 a where c, else b (both evaluated)
+    m.equal(a, b)                     a == b
+    m.either(a, b), m.both(a, b)      logical or, and
     m.let(x)                          x, computed once where the target has statements
     m.sigmoid(x), m.softplus(x)       `sigmoid(m, x)`, `softplus(m, x)`, or one device
                                       function computing them (a kernel's scalars)
@@ -75,7 +77,8 @@ class Math:
 
 class _Numpy(Math):
     """The reference's math: numpy arrays (f32 stays f32: Python floats are weak scalars)."""
-    exp, fabs, log1p, sqrt, maximum, select = np.exp, np.abs, np.log1p, np.sqrt, np.maximum, staticmethod(np.where)
+    exp, fabs, log1p, sqrt, maximum, minimum = np.exp, np.abs, np.log1p, np.sqrt, np.maximum, np.minimum
+    select, equal, either, both = staticmethod(np.where), np.equal, np.logical_or, np.logical_and
 
 
 NUMPY = _Numpy()

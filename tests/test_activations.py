@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,9 +17,9 @@ from dflash_ir.backends.tvm import ops_elementwise
 from dflash_ir.backends.tvm.lowering import TVM_LOWERINGS
 from dflash_ir.backends.tvm.tir import TIR, _Text, activation
 from dflash_ir.ops.registry import get_op
+from written_once import written_out
 
 F32 = np.float32
-REPO = Path(__file__).resolve().parents[1]
 # a sigmoid or softplus written out (numpy's, the kernel layer's or TensorIR's spelling of
 # the formula's first step), a norm's inverse RMS (its square root), or the kernel layer's
 # device functions called past its math
@@ -95,8 +94,5 @@ def test_no_module_writes_an_activation_out_again():
     """The README's claim: the references, the kernels' epilogues and gates and TVM's text
     call the formulas; only activations.py writes them, and only the kernel layer's math
     (access.py) calls the device functions. Every copy the formulas replaced matched."""
-    allowed = {REPO / "dflash_ir" / "activations.py", REPO / "backends" / "kernels" / "access.py"}
-    hits = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
-            for folder in ("dflash_ir", "backends", "models", "passes") for path in sorted((REPO / folder).rglob("*.py"))
-            if path not in allowed for n, line in enumerate(path.read_text().splitlines(), 1) if WRITTEN_OUT.search(line)]
+    hits = written_out(WRITTEN_OUT, "dflash_ir/activations.py", "backends/kernels/access.py")
     assert not hits, "\n".join(hits)

@@ -11,7 +11,7 @@ from dflash_ir.quant import COLS, Dp4Words
 from dflash_ir.ir import Value
 from dflash_ir.types import Dim
 
-from ..kir import F32, I32, I64, K, bitcast, call, call_function, cast, function, maximum, select
+from ..kir import F32, I32, I64, K, bitcast, call, call_function, cast, function, maximum, minimum, select
 from ..kir.build import Buffer
 from ..kir.ir import Function
 from ..lowering import dim
@@ -174,7 +174,19 @@ class _KernelMath(activations.Math):
         self.kb, self.name = kb, name
 
     exp, fabs, log1p, sqrt = (staticmethod(lambda x, f=f: call(f, x)) for f in ("exp", "fabs", "log1p", "sqrt"))
-    maximum, select = staticmethod(maximum), staticmethod(select)
+    maximum, minimum, select = staticmethod(maximum), staticmethod(minimum), staticmethod(select)
+
+    @staticmethod
+    def equal(a: K, b: K) -> K:
+        return a.eq(b)
+
+    @staticmethod
+    def either(a: K, b: K) -> K:
+        return a | b
+
+    @staticmethod
+    def both(a: K, b: K) -> K:
+        return a & b
 
     def let(self, x: K) -> K:
         return self.kb.let(self.name, x) if self.kb is not None else x

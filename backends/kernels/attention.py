@@ -39,6 +39,7 @@ from typing import Callable
 
 from dflash_ir import activations
 from dflash_ir.ir import Value
+from dflash_ir.ops.attention import visible_range
 from dflash_ir.ops.fused import attention_inputs
 from dflash_ir.ops.position import RotaryPairs, frequency_components, inv_freq_f32, rotate
 from dflash_ir.types import Dim
@@ -241,12 +242,9 @@ class _Attention:
         kb.launch([dim(self.T), self.Hkv])
 
     def visible(self, n: K, row: K) -> tuple[K, K]:
-        """Keys [lo, hi) that query `row` sees, the T queries being the last rows of the
-        first n cache rows: up to its own position when causal, at most `window` back."""
-        qpos = n - dim(self.T) + row
-        hi = minimum(n, qpos + 1) if self.causal else n
-        lo = maximum(0, qpos - (self.window - 1)) if self.window else const(0)
-        return lo, hi
+        """Keys [lo, hi) that query `row` sees (visible_range), the T queries being the last
+        rows of the first n cache rows."""
+        return visible_range(KERNEL, n, n - dim(self.T) + row, self.causal, self.window)
 
     def write_rows(self, row: K, kh: K, lid: K | None = None, threads: int = 1) -> None:
         """Row `row`'s K (normed, roped) and V into cache row pos + row of kv head kh (the

@@ -44,6 +44,7 @@ from typing import Callable
 from dflash_ir import activations
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
+from dflash_ir.ops.reduce import precedes
 from dflash_ir.quant import COLS_BLOCK_BYTES, cols16_layout
 from dflash_ir.types import TensorType
 
@@ -460,8 +461,7 @@ def _route(ctx: NodeCtx, x_value: Value, source: Value, gate_inp: Value, ids_val
         bv, bi = kb.let("bv", float("-inf")), kb.let("bi", -1)
         with kb.loop("e", lid, E, L) as e:
             v = kb.let("v", prob[e])
-            after_prev = (v < prev_v) | (v.eq(prev_v) & (e > prev_i))
-            with kb.if_(after_prev & ((bi < 0) | (v > bv))):
+            with kb.if_(precedes(KERNEL, prev_v, prev_i, v, e) & ((bi < 0) | (v > bv))):
                 kb.set(bv, v)
                 kb.set(bi, e)
         red[lid], best[lid] = bv, bi
@@ -469,9 +469,7 @@ def _route(ctx: NodeCtx, x_value: Value, source: Value, gate_inp: Value, ids_val
         with kb.loop("s", L // 2, cond=lambda s: s > 0, next=lambda s: s >> 1) as s:
             with kb.if_(lid < s):
                 o = kb.let("o", lid + s)
-                better = (best[o] >= 0) & ((best[lid] < 0) | (red[o] > red[lid]) |
-                                           (red[o].eq(red[lid]) & (best[o] < best[lid])))
-                with kb.if_(better):
+                with kb.if_((best[o] >= 0) & ((best[lid] < 0) | precedes(KERNEL, red[o], best[o], red[lid], best[lid]))):
                     red[lid], best[lid] = red[o], best[o]
             kb.barrier()
         kb.set(prev_v, red[0])

@@ -10,6 +10,7 @@ from typing import Callable
 from dflash_ir import activations
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
+from dflash_ir.ops.recurrent import delta_error, delta_update
 
 from ..kir import F32, I64, K, call, cast, const, minimum, select, vsum
 from ..kir.build import Array, Buffer
@@ -538,12 +539,11 @@ def _gpu_body(kb: KernelSpec, rule: DeltaRule, dk: int, L: int) -> None:
         decay, b = kb.let("decay", token.decay), kb.let("b", token.beta)
         sk, y = kb.let("sk", 0.0), kb.let("y", 0.0)
         with kb.loop("e", 0, DK) as e:
-            S[e] = S[e] * decay
             kb.set(sk, sk + S[e] * k_at(e))
         # (a conv's v statements run on every thread: a fused_gated_deltanet's threads are all live)
-        delta = kb.let("delta", b * (select(live, token.v(col), 0.0) - sk))
+        delta = kb.let("delta", delta_error(select(live, token.v(col), 0.0), sk, decay, b))
         with kb.loop("e", 0, DK) as e:
-            S[e] = S[e] + k_at(e) * delta
+            S[e] = delta_update(S[e], k_at(e), delta, decay)
             kb.set(y, y + S[e] * q_at(e))
         if rule.norm is not None:
             r = rule.norm.factor(kb, lid, col, y * y)  # a v head's threads are all live
@@ -629,13 +629,13 @@ def _cpu_vector_body(kb: KernelSpec, rule: DeltaRule, dv: int, lanes: int) -> No
                     r = kb.let("r", rule.state_row(h, e))
                     for i in g:
                         kb.set(sk[i], sk[i] + src.load(r + i * lanes, lanes=lanes) * kv)
-                delta = {i: kb.let(f"delta{i}", b * (vv.vec(i * lanes, lanes) - decay * sk[i])) for i in g}
+                delta = {i: kb.let(f"delta{i}", delta_error(vv.vec(i * lanes, lanes), sk[i], decay, b)) for i in g}
                 y = {i: kb.let(f"y{i}", cast(V, 0.0)) for i in g}
                 with kb.loop("e", 0, DK) as e:
                     kv, qv = kb.let("kv", reads.k(e)), kb.let("qv", reads.q(e) * rule.scale)
                     r = kb.let("r", rule.state_row(h, e))
                     for i in g:
-                        s = kb.let(f"s{i}", decay * src.load(r + i * lanes, lanes=lanes) + kv * delta[i])
+                        s = kb.let(f"s{i}", delta_update(src.load(r + i * lanes, lanes=lanes), kv, delta[i], decay))
                         kb.set(y[i], y[i] + s * qv)
                         states.new.store(r + i * lanes, s)
                 for i in g:
@@ -705,12 +705,12 @@ def _cpu_body(kb: KernelSpec, rule: DeltaRule) -> None:
             with columns() as j:
                 sk[j] = sk[j] + src[r + j] * kv
         with columns() as j:
-            delta[j] = b * (reads.v(c0 + j) - decay * sk[j])
+            delta[j] = delta_error(reads.v(c0 + j), sk[j], decay, b)
         with kb.loop("e", 0, DK) as e:
             kv, qv = kb.let("kv", reads.k(e)), kb.let("qv", reads.q(e) * rule.scale)
             r = kb.let("r", rule.state_row(h, e) + c0)
             with columns() as j:
-                s = kb.let("s", decay * src[r + j] + kv * delta[j])
+                s = kb.let("s", delta_update(src[r + j], kv, delta[j], decay))
                 y[j] = y[j] + s * qv
                 states.new[r + j] = s
         if rule.norm is None:

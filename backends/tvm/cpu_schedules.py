@@ -33,10 +33,12 @@ from typing import Callable
 
 from dflash_ir.blocks import DECODERS
 from dflash_ir.dtypes import DType
+from dflash_ir.ops.attention import visible_range
+from dflash_ir.ops.recurrent import delta_error, delta_update
 from dflash_ir.quant import DP4_TYPES, Dp4Words
 from dflash_ir.types import Dim
 
-from .tir import _BlockText, _IndexText, _Text, f32, sub_block, u16_at, weight_at
+from .tir import TIR, _BlockText, _IndexText, _Text, f32, sub_block, u16_at, weight_at
 
 LANES = 16  # f32 lanes of one AVX-512 vector
 # (rows per pass, columns per task): a pass keeps rows x columns vectors of partial sums in
@@ -460,12 +462,14 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
     slot = f"r * {group} + g"
     q_at = f"(({row}) * {hq} + {kvh} * {group} + g) * {d}"
     k_at = f"(({{j}}) * {hkv} + {kvh}) * {d}"
-    # keys visible to a row: [its_lo, its_hi); to the task: [lo, hi)
-    row_hi = f"T.min(n, n - {t} + {row} + 1)" if causal else "n"
-    row_lo = f"T.max(n - {t} + {row} - {window} + 1, 0)" if window else "0"
-    last = f"T.min({first} + {rows - 1}, {t} - 1)"
-    hi = f"T.min(n, n - {t} + {last} + 1)" if causal else "n"
-    lo = f"T.max(n - {t} + {first} - {window} + 1, 0)" if window else "0"
+    # keys visible to a row: [row_lo, row_hi); to the task: [lo, hi)
+    n = _Text("n")
+
+    def visible(query_row: str) -> tuple:
+        return visible_range(TIR, n, n - _Text(t) + _Text(query_row), causal, window)
+
+    row_lo, row_hi = visible(row)
+    lo, hi = visible(first)[0], visible(f"T.min({first} + {rows - 1}, {t} - 1)")[1]
     chunks = d // ld
     # independent sums per dot product, for the FMA latency: the group's heads are such sums
     chains = 2 if chunks % 2 == 0 and group < 4 else 1
@@ -565,22 +569,30 @@ def attention_nest(t: str, cap: str, hq: int, hkv: int, d: int, dv: int, scale: 
 def delta_rule_nest(t: str, hk: int, hv: int, dk: int, dv: int, tiled: bool, scale: float) -> str:
     """PrimFunc body of the gated delta rule (ops_recurrent.gated_delta_rule's recurrence): a
     task per v head walks the rows over its state S[dk, dv], vectorised along the value dim;
-    every sum over the key dim runs in the order the per-column form sums it. The first row
-    reads the old state and writes the decayed one into the new, later rows work there (a
-    head's state stays in cache); each state row is read before it is written, so the new
-    state may be the old one's buffer. No rows: the new state is the old. The loops over a
-    row's vectors are unrolled: as loops, PoCL kept their vectors in memory (tvm-opencl's
-    16-row rule 2.07x of opencl, unrolled 1.73x; llvm unchanged, 0.92-1.02x)."""
+    every sum over the key dim runs in the order the per-column form sums it. Per row one pass
+    over the state sums kᵀS, the next writes the updated cells (delta_error, delta_update);
+    the first row reads the old state, later rows the new (a head's state stays in cache).
+    Each cell is read before it is written, so the new state may be the old one's buffer.
+    No rows: the new state is the old. The loops over a row's vectors are unrolled: as loops,
+    PoCL kept their vectors in memory (tvm-opencl's 16-row rule 2.07x of opencl, unrolled
+    1.73x; llvm unchanged, 0.92-1.02x)."""
     lv = _widest(LANES, dv)
     kh = f"h % {hk}" if tiled else f"h // {hv // hk}"
     qk = f"(ti * {hk} + {kh}) * {dk} + e"
     tv = f"ti * {hv} + h"
     cell = f"(h * {dk} + e) * {dv} + c * {lv} + l"
     col = f"c * {lv} + l"
+    sums, decay = _Text(f"kv[{col}]"), _Text("decay[0]")
 
     def vec(body: str) -> list[str]:
         return [f"for c in T.unroll({dv // lv}):", f"    for l in vectorized({lv}):", f"        {body}"]
 
+    def per_source(body: Callable[[_Text], str]) -> list[str]:
+        """body over the state the row reads: the old for the first row, else the new."""
+        return ["if ti == 0:", *_indent(vec(body(_Text(f"state[{cell}]"))), 1),
+                "else:", *_indent(vec(body(_Text(f"new_state[{cell}]"))), 1)]
+
+    error = delta_error(_Text(f"v[({tv}) * {dv} + {col}]"), sums, decay, _Text(f"beta[{tv}]"))
     lines = [f"for h in tasks({hv}):",
              f'    kv = T.alloc_buffer(({dv},), "float32", scope=SCRATCH)',
              f'    o_row = T.alloc_buffer(({dv},), "float32", scope=SCRATCH)',
@@ -588,18 +600,14 @@ def delta_rule_nest(t: str, hk: int, hv: int, dk: int, dv: int, tiled: bool, sca
              f"    if {t} == 0:",
              f"        for i in range({dk * dv}):", f"            new_state[h * {dk * dv} + i] = state[h * {dk * dv} + i]",
              f"    for ti in range({t}):",
-             f"        decay[0] = T.exp(g[{tv}])",
-             *_indent(vec(f"kv[{col}] = T.float32(0)"), 2),
+             f"        {decay} = T.exp(g[{tv}])",
+             *_indent(vec(f"{sums} = T.float32(0)"), 2),
              f"        for e in range({dk}):",
-             "            if ti == 0:",
-             *_indent(vec(f"new_state[{cell}] = state[{cell}] * decay[0]"), 4),
-             "            else:",
-             *_indent(vec(f"new_state[{cell}] = new_state[{cell}] * decay[0]"), 4),
-             *_indent(vec(f"kv[{col}] = kv[{col}] + new_state[{cell}] * k[{qk}]"), 3),
-             *_indent(vec(f"kv[{col}] = beta[{tv}] * (v[({tv}) * {dv} + {col}] - kv[{col}])"), 2),
+             *_indent(per_source(lambda s: f"{sums} = {sums + s * _Text(f'k[{qk}]')}"), 3),
+             *_indent(vec(f"{sums} = {error}"), 2),
              *_indent(vec(f"o_row[{col}] = T.float32(0)"), 2),
              f"        for e in range({dk}):",
-             *_indent(vec(f"new_state[{cell}] = new_state[{cell}] + k[{qk}] * kv[{col}]"), 3),
+             *_indent(per_source(lambda s: f"new_state[{cell}] = {delta_update(s, _Text(f'k[{qk}]'), sums, decay)}"), 3),
              *_indent(vec(f"o_row[{col}] = o_row[{col}] + new_state[{cell}] * (q[{qk}] * {f32(scale)})"), 3),
              *_indent(vec(f"o[({tv}) * {dv} + {col}] = o_row[{col}]"), 2)]
     return "\n".join(_indent(lines, 1)) + "\n"

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dflash_ir.dtypes import DType
 from dflash_ir.ir import Value
+from dflash_ir.ops.attention import visible_range
 from dflash_ir.ops.fused import attention_inputs
 from dflash_ir.ops.position import ROPE_DEFAULTS
 from dflash_ir.types import TensorType
 
 from .cpu_schedules import attention_nest
 from .lowering import TVMNodeCtx, lowers
-from .tir import block, dim, f32, prod
+from .tir import TIR, _Text, block, dim, f32, prod
 
 
 def attention_kernels(ctx: TVMNodeCtx, q: Value, k: Value, v: Value, kv_len: Value, out: Value, *, scale: float,
@@ -30,15 +31,9 @@ def attention_kernels(ctx: TVMNodeCtx, q: Value, k: Value, v: Value, kv_len: Val
         ctx.kernel("attention", [("q", q, False), ("k", k, False), ("v", v, False), ("kv_len", kv_len, False),
                                  ("out", out, True)], nest, cpu_body=nest)
         return
-    n = f"T.min(kv_len[0], {C})"
-    conds = [f"j < {n}"]
-    if causal:
-        conds.append(f"j <= {n} - {T} + row")
-    if window:
-        conds.append(f"j > {n} - {T} + row - {window}")
-    visible = conds[0]
-    for c in conds[1:]:
-        visible = f"T.And({visible}, {c})"
+    n = _Text(f"T.min(kv_len[0], {C})")
+    lo, hi = visible_range(TIR, n, n - _Text(T) + _Text("row"), causal, window)
+    visible = f"T.And(j >= {lo}, j < {hi})"
     scores = ctx.temp(TensorType(DType.F32, (t, hq, cap)))
     m, l = (ctx.temp(TensorType(DType.F32, (t, hq))) for _ in range(2))
     line, cell = f"row * {hq} + h", f"(row * {hq} + h) * {C} + j"

@@ -14,6 +14,7 @@ import numpy as np
 
 
 from dflash_ir.ops.position import RotaryPairs, frequency_components, rotate
+from dflash_ir.ops.recurrent import delta_error, delta_update
 
 from ..kernels.recurrent import gated_deltanet_parts
 from .cpu_schedules import delta_rule_nest
@@ -98,8 +99,9 @@ def causal_conv1d(ctx: TVMNodeCtx) -> None:
 
 @lowers("gated_delta_rule")
 def gated_delta_rule(ctx: TVMNodeCtx) -> None:
-    """S <- e^g S; S <- S + k (beta (v - Sᵀk))ᵀ; o = Sᵀ(q scale), per state column. The
-    chunked form (chunk_size > 0) is the same recurrence, so it runs this kernel too."""
+    """S <- e^g S + k δᵀ with δ = β(v - e^g Sᵀk) (ops/recurrent.py's delta_error and
+    delta_update), o = Sᵀ(q scale), per state column. The chunked form (chunk_size > 0) is
+    the same recurrence, so it runs this kernel too."""
     q, k, v, g, beta, state = ctx.ins
     o, new_state = ctx.outs
     t, hk, dk = q.type.shape
@@ -116,19 +118,21 @@ def gated_delta_rule(ctx: TVMNodeCtx) -> None:
     cell = f"(h * {DK} + e) * {DV} + col"
     qk = f"(ti * {hk} + {kh}) * {DK} + e"
     tv = f"ti * {hv} + h"
+    sums, delta, decay = _Text("a[0]"), _Text("a[1]"), _Text("a[3]")
+    error = delta_error(_Text(f"v[({tv}) * {DV} + col]"), sums, decay, _Text(f"beta[{tv}]"))
     body = (f"for e in range({DK}):\n    S[e] = state[{cell}]\n"
             f"for ti in range({T}):\n"
-            f"    for e in range({DK}):\n        S[e] = S[e] * T.exp(g[{tv}])\n"
-            f"    a[0] = T.float32(0)\n"
-            f"    for e in range({DK}):\n        a[0] = a[0] + S[e] * k[{qk}]\n"
-            f"    a[1] = beta[{tv}] * (v[({tv}) * {DV} + col] - a[0])\n"
+            f"    {decay} = T.exp(g[{tv}])\n"
+            f"    {sums} = T.float32(0)\n"
+            f"    for e in range({DK}):\n        {sums} = {sums} + S[e] * k[{qk}]\n"
+            f"    {delta} = {error}\n"
             f"    a[2] = T.float32(0)\n"
-            f"    for e in range({DK}):\n        S[e] = S[e] + k[{qk}] * a[1]\n"
+            f"    for e in range({DK}):\n        S[e] = {delta_update(_Text('S[e]'), _Text(f'k[{qk}]'), delta, decay)}\n"
             f"        a[2] = a[2] + S[e] * (q[{qk}] * {f32(ctx.attr['scale'])})\n"
             f"    o[({tv}) * {DV} + col] = a[2]\n"
             f"for e in range({DK}):\n    new_state[{cell}] = S[e]")
     ctx.sequential("gated_delta_rule", buffers,
-                   [("h", str(hv)), ("col", DV)], body, [("S", dk), ("a", 3)])
+                   [("h", str(hv)), ("col", DV)], body, [("S", dk), ("a", 4)])
 
 
 @lowers("fused_gated_delta_rule")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dflash_ir import activations
 from dflash_ir.dtypes import DType
+from dflash_ir.ops.reduce import precedes
 from dflash_ir.types import TensorType
 
 from .lowering import TVMNodeCtx, lowers
@@ -80,14 +81,14 @@ def argmax(ctx: TVMNodeCtx) -> None:
 
 def topk_lines(v: str, k: int, n, emit) -> str:
     """Statements picking the k largest of v (an expression of j, over j < n), largest first,
-    ties to the lower index: pass q picks the largest (value, -index) strictly after pass
-    q-1's pick in that order, into st[2] (value) and st[3] (index, as f32), then emit(q)'s
-    lines run (st: an f32 scratch of 4)."""
+    ties to the lower index: pass q picks the first element, in the order `precedes`
+    defines, that comes after pass q-1's pick, into st[2] (value) and st[3] (index, as f32),
+    then emit(q)'s lines run (st: an f32 scratch of 4)."""
+    after = precedes(TIR, _Text("st[0]"), _Text("st[1]"), _Text(v), _Text('T.Cast("float32", j)'))
     return "\n".join([
         f"st[0] = {f32(float('inf'))}", "st[1] = T.float32(-1)", f"for q in range({k}):",
         f"    st[2] = {f32(float('-inf'))}", "    st[3] = T.float32(-1)", f"    for j in range({n}):",
-        f"        if T.And(T.Or({v} < st[0], T.And({v} == st[0], T.Cast(\"float32\", j) > st[1])), "
-        f"T.Or(st[3] < T.float32(0), {v} > st[2])):",
+        f"        if T.And({after}, T.Or(st[3] < T.float32(0), {v} > st[2])):",
         f"            st[2] = {v}", "            st[3] = T.Cast(\"float32\", j)",
         *[f"    {line}" for line in emit("q")], "    st[0] = st[2]", "    st[1] = st[3]"])
 

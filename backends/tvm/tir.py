@@ -141,8 +141,14 @@ class _Text(str):
     def __truediv__(self, o): return self._bin("({} / {})", o)
     def __rtruediv__(self, o): return self._bin("({} / {})", o, True)
     def __lt__(self, o): return self._bin("({} < {})", o)
+    def __gt__(self, o): return self._bin("({} > {})", o)
     def __ge__(self, o): return self._bin("({} >= {})", o)
     def __neg__(self): return _Text(f"(-{self})")
+
+
+def _binary(form: str) -> staticmethod:
+    """A math's operation of two operands as TVMScript text (a float as an f32 literal)."""
+    return staticmethod(lambda a, b: _Text(form.format(*(f32(x) if isinstance(x, float) else x for x in (a, b)))))
 
 
 class _TirMath(activations.Math):
@@ -153,9 +159,8 @@ class _TirMath(activations.Math):
     exp, fabs, log1p, sqrt = (staticmethod(lambda x, f=f: _Text(f"T.{f}({x})"))
                               for f in ("exp", "fabs", "log1p", "sqrt"))
 
-    @staticmethod
-    def maximum(a, b) -> _Text:
-        return _Text(f"T.max({a}, {f32(b) if isinstance(b, float) else b})")
+    maximum, minimum = _binary("T.max({}, {})"), _binary("T.min({}, {})")
+    equal, either, both = _binary("({} == {})"), _binary("T.Or({}, {})"), _binary("T.And({}, {})")
 
     @staticmethod
     def select(cond, a, b) -> _Text:

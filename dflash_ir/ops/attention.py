@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..activations import NUMPY
 from ..dtypes import DType
 from ..errors import ContextOverflowError
 from ..types import TensorType
@@ -47,16 +48,14 @@ def _attention_rule(q: TensorType, k: TensorType, v: TensorType, kv_len: TensorT
     return TensorType(DType.F32, (q.shape[0], q.shape[1], v.shape[2]))
 
 
-def visible_keys(n_queries: int, kv_len: int, causal: bool, window: int) -> np.ndarray:
-    """bool[T, kv_len]: which keys each query may attend to."""
-    query_pos = kv_len - n_queries + np.arange(n_queries)[:, None]
-    key_pos = np.arange(kv_len)[None, :]
-    visible = np.ones((n_queries, kv_len), dtype=bool)
-    if causal:
-        visible &= key_pos <= query_pos
-    if window:
-        visible &= query_pos - key_pos < window
-    return visible
+def visible_range(m, n, query_pos, causal: bool, window: int):
+    """Keys [lo, hi) a query at `query_pos` sees among the first n cache rows: up to its own
+    position when causal, at most `window` back (window 0: no limit). Every attention
+    schedule (the reference's, the kernel layer's, TVM's) masks by this, with its math `m`
+    (dflash_ir/activations.py) and operands."""
+    hi = m.minimum(n, query_pos + 1) if causal else n
+    lo = m.maximum(0, query_pos - (window - 1)) if window else 0
+    return lo, hi
 
 
 @defop("attention", _attention_rule)
@@ -76,9 +75,8 @@ def attention(q, k, v, kv_len, *, scale, causal=True, window=0):
     keys = k[:n, kv_head].transpose(1, 2, 0)          # [Hq, D, n]
     values = v[:n, kv_head].transpose(1, 0, 2)        # [Hq, n, Dv]
     out = np.empty((n_queries, n_heads, values.shape[2]), F32)
-    for t, visible in enumerate(visible_keys(n_queries, n, causal, window)):
-        run = np.flatnonzero(visible)
-        lo, hi = run[0], run[-1] + 1
+    for t in range(n_queries):
+        lo, hi = visible_range(NUMPY, n, n - n_queries + t, causal, window)
         scores = (q[t][:, None, :] @ keys[:, :, lo:hi]) * F32(scale)  # [Hq, 1, visible]
         weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
         weights /= weights.sum(axis=-1, keepdims=True)

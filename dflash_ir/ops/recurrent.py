@@ -98,7 +98,7 @@ def key_heads(n_value_heads: int, n_key_heads: int, head_map: str) -> np.ndarray
 
 @defop("gated_delta_rule", _gdn_rule)
 def gated_delta_rule(q, k, v, g, beta, state, *, scale, head_map="tiled", chunk_size=0):
-    """Gated delta rule per v head: S <- e^g S; S <- S + k (β(v - Sᵀk))ᵀ; o = Sᵀ(q·scale).
+    """Gated delta rule per v head: S <- e^g S + k (β(v - e^g Sᵀk))ᵀ; o = Sᵀ(q·scale).
     q, k arrive L2-normalised. chunk_size > 0 evaluates the same thing in chunked (WY) form.
     Returns (o, new_state)."""
     heads = key_heads(v.shape[1], k.shape[1], head_map)
@@ -109,14 +109,29 @@ def gated_delta_rule(q, k, v, g, beta, state, *, scale, head_map="tiled", chunk_
     return _recurrent(q, k, v, g, beta, state.astype(F32))
 
 
+def delta_error(v, ks, decay, beta):
+    """A state column's correction for a token, β(v − e^g·kᵀS), where kᵀS is summed over the
+    state before its decay: HF decays S first and sums over the decayed S, the same maths
+    with the decay applied once per column rather than once per cell, and a pass over the
+    state fewer on a CPU that streams it (one pass sums kᵀS, the next updates the cells).
+    Every schedule of the rule (the reference, the kernel layer's, TVM's) calls this and
+    delta_update, so all compute one order; how kᵀS and the output's Sᵀq are summed is each
+    schedule's."""
+    return beta * (v - decay * ks)
+
+
+def delta_update(s, k, delta, decay):
+    """A state cell after the token: e^g·s + k·δ (δ from delta_error)."""
+    return decay * s + k * delta
+
+
 def _recurrent(q, k, v, g, beta, s):
     """Token by token, all heads at once; q is already scaled and everything is per v head."""
     out = np.empty(v.shape, dtype=F32)
     decay = np.exp(g)
     for t in range(len(q)):
-        s = s * decay[t][:, None, None]
-        delta = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", s, k[t]))
-        s = s + k[t][:, :, None] * delta[:, None, :]
+        delta = delta_error(v[t], np.einsum("hkv,hk->hv", s, k[t]), decay[t][:, None], beta[t][:, None])
+        s = delta_update(s, k[t][:, :, None], delta[:, None, :], decay[t][:, None, None])
         out[t] = np.einsum("hkv,hk->hv", s, q[t])
     return out, s
 

@@ -88,6 +88,14 @@ def topk(x, *, k):
     return np.take_along_axis(x, order, axis=-1), order.astype(np.int32)
 
 
+def precedes(m, v, i, w, j):
+    """Whether (value v, index i) comes before (w, j) in the order topk and argmax pick in:
+    the larger value first, the lower index on ties (numpy's stable descending sort, its
+    argmax's first maximum). Every selection kernel compares by this (argmax's trees and
+    lanes, topk's passes, the MoE routing's), with its math `m` (dflash_ir/activations.py)."""
+    return m.either(v > w, m.both(m.equal(v, w), i < j))
+
+
 def _argmax_rule(x: TensorType) -> TensorType:
     expect_dtype("x", x, DType.F32)
     expect_min_rank("x", x, 1)

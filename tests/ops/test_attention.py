@@ -1,11 +1,15 @@
 import math
+import re
 
 import numpy as np
 import pytest
 
+from dflash_ir.activations import NUMPY
 from dflash_ir.errors import ContextOverflowError
+from dflash_ir.ops.attention import visible_range
 from dflash_ir.ops.registry import OpError, get_op
 from dflash_ir.types import parse_type
+from written_once import written_out
 
 F = np.float32
 rng = np.random.default_rng(11)
@@ -114,6 +118,29 @@ def test_attention_rule_rejects(q, k, v, kv_len, message):
 def test_attention_rule_rejects_bad_window():
     with pytest.raises(OpError, match="attention: window must be >= 0"):
         types("attention", "f32[T,4,8]", "f32[C,4,8]", "f32[C,4,8]", "i32[]", scale=1.0, window=-1)
+
+
+def test_visible_range_by_hand():
+    # 10 cached rows, the query at position 7: causal it sees 0..7, with a window of 3 5..7
+    assert visible_range(NUMPY, 10, 7, True, 3) == (5, 8)
+    assert visible_range(NUMPY, 10, 7, True, 0) == (0, 8)
+    assert visible_range(NUMPY, 10, 7, False, 0) == (0, 10)
+    assert visible_range(NUMPY, 10, 7, False, 3) == (5, 10)
+    assert visible_range(NUMPY, 10, 1, True, 3) == (0, 2)
+
+
+# a causal or window bound written out (the spellings the kernel layer, TVM's text and loop
+# nest and the reference had): a query's own position + 1, or window - 1 back
+MASK_WRITTEN_OUT = re.compile(r"window - 1|- \{window\} \+ 1|qpos \+ 1|\+ row\b.*\+ 1\)|j <= |j > .*window"
+                              r"|query_pos - key_pos")
+
+
+def test_every_attention_masks_by_the_visible_range():
+    """The reference, the kernel layer's attention (GPU and CPU) and TVM's (the blocks and
+    the llvm loop nest) take a query's keys from visible_range; each copy it replaced
+    matched the pattern."""
+    hits = written_out(MASK_WRITTEN_OUT, "dflash_ir/ops/attention.py")
+    assert not hits, "\n".join(hits)
 
 
 def test_kv_write_writes_rows_into_a_copy():

@@ -1,6 +1,5 @@
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +7,7 @@ import pytest
 from dflash_ir.ops.position import RotaryPairs, inv_freq_f32, rotate
 from dflash_ir.ops.registry import OpError, get_op
 from dflash_ir.types import parse_type
+from written_once import written_out
 
 F = np.float32
 rng = np.random.default_rng(3)
@@ -190,12 +190,7 @@ def test_the_rotation_and_its_pairs_are_written_once():
     """The reference, the kernel layer (rope and the fused attention) and TVM's rope call
     `rotate` and `RotaryPairs`: only ops/position.py writes the rotation, and the pair maps
     agree with themselves on every dim (numpy operands here; kir and TIR in the kernel cases)."""
-    root = Path(__file__).resolve().parents[2]
-    hits = [f"{path.relative_to(root)}:{n}: {line.strip()}"
-            for folder in ("dflash_ir", "backends", "models", "passes")
-            for path in sorted((root / folder).rglob("*.py"))
-            if path != root / "dflash_ir" / "ops" / "position.py"
-            for n, line in enumerate(path.read_text().splitlines(), 1) if ROTATION_WRITTEN_OUT.search(line)]
+    hits = written_out(ROTATION_WRITTEN_OUT, "dflash_ir/ops/position.py")
     assert not hits, "\n".join(hits)
     for pairs in ("halves", "adjacent"):
         p = RotaryPairs(8, pairs)

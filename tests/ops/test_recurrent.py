@@ -1,8 +1,12 @@
+import re
+
 import numpy as np
 import pytest
 
+from dflash_ir.ops.recurrent import delta_error, delta_update
 from dflash_ir.ops.registry import OpError, get_op
 from dflash_ir.types import parse_type
+from written_once import written_out
 
 F = np.float32
 rng = np.random.default_rng(5)
@@ -114,6 +118,28 @@ def test_recurrence_matches_transition_form(head_map, head_of):
     assert o.dtype == F and s.dtype == F
     np.testing.assert_allclose(o, expected_o, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(s, expected_s, rtol=1e-5, atol=1e-5)
+
+
+# the delta rule's step written out (numpy's, the kernel layer's or TensorIR's spelling): β
+# times (v - ...), a decay times the state, the state times a decay
+DELTA_WRITTEN_OUT = re.compile(r"\b(b|beta)\S* \* \(\S*\bv\b|\bdecay\S* \* \S*(src|state|sk)\b"
+                               r"|(S\[e\]|\bs) \* \S*(decay|T\.exp)")
+
+
+def test_a_delta_rule_step_by_hand():
+    # one cell: S = 2, k = 1, v = 3, e^g = 0.5, β = 0.5: kᵀS = 2 over the old state,
+    # δ = 0.5 (3 - 0.5 · 2) = 1, S' = 0.5 · 2 + 1 · 1 = 2
+    assert delta_error(3.0, 2.0, 0.5, 0.5) == 1.0
+    assert delta_update(2.0, 1.0, 1.0, 0.5) == 2.0
+
+
+def test_the_delta_rule_step_is_written_once():
+    """The reference, the kernel layer's three schedules (GPU, CPU vector, CPU per column)
+    and TVM's two call delta_error and delta_update, so all compute one order (the decay
+    folded into kᵀS over the old state). Each copy they replaced matched the pattern, in
+    both orders the tree had (the GPU body and TVM decayed the state first)."""
+    hits = written_out(DELTA_WRITTEN_OUT, "dflash_ir/ops/recurrent.py")
+    assert not hits, "\n".join(hits)
 
 
 def test_head_maps_differ_and_ratio_one_agrees():

@@ -1,10 +1,15 @@
+import functools
 import math
+import re
 
 import numpy as np
 import pytest
 
+from dflash_ir.activations import NUMPY
+from dflash_ir.ops.reduce import precedes
 from dflash_ir.ops.registry import OpError, get_op
 from dflash_ir.types import parse_type
+from written_once import written_out
 
 F = np.float32
 
@@ -75,6 +80,30 @@ def test_topk_descending_ties_to_lower_index():
     assert indices.dtype == np.int32 and values.dtype == F
     assert indices.tolist() == [[1, 2, 3], [2, 0, 3]]
     assert values.tolist() == [[3, 3, 2], [5, 0, 0]]
+
+
+def test_precedes_is_numpys_stable_descending_order():
+    assert precedes(NUMPY, 3.0, 5, 2.0, 1) and not precedes(NUMPY, 2.0, 1, 3.0, 5)
+    assert precedes(NUMPY, 2.0, 1, 2.0, 4) and not precedes(NUMPY, 2.0, 4, 2.0, 1)
+    assert not precedes(NUMPY, 2.0, 1, 2.0, 1)
+    x = np.random.default_rng(3).integers(0, 5, 40).astype(F)  # many ties
+    order = sorted(range(len(x)), key=functools.cmp_to_key(
+        lambda i, j: -1 if precedes(NUMPY, x[i], i, x[j], j) else 1 if precedes(NUMPY, x[j], j, x[i], i) else 0))
+    assert order == np.argsort(-x, kind="stable").tolist()
+    assert order[0] == np.argmax(x)
+
+
+# the tie-break written out (the kernel layer's and TensorIR's spellings): values equal and
+# then the indices compared
+ORDER_WRITTEN_OUT = re.compile(r"\.eq\([^)]*\)\)? *& *\(|== *st\[0\]")
+
+
+def test_every_selection_orders_by_precedes():
+    """argmax (the work-group tree and the CPU lanes), topk's passes, the MoE routing's
+    passes and tree, and TVM's top-k compare by precedes; each copy it replaced matched the
+    pattern."""
+    hits = written_out(ORDER_WRITTEN_OUT, "dflash_ir/ops/reduce.py")
+    assert not hits, "\n".join(hits)
 
 
 def test_topk_rule():

@@ -11,7 +11,6 @@ from dflash_ir.ops.reduce import precedes
 from ..kir import F32, I32, I64, K, call, cast, const, maximum, select, var, vsum
 from ..lowering import NodeCtx, dim, lowers
 from . import access
-from .access import KERNEL
 from .shapes import FLAT, cdiv, flat_index, flat_launch, pow2_threads, prod
 
 
@@ -162,7 +161,7 @@ def argmax(ctx: NodeCtx) -> None:
     s = var("s")
     with kb.loop("s", L // 2, cond=s > 0, next=s >> 1):
         other = lid + s
-        with kb.if_((lid < s) & precedes(KERNEL, best_v[other], best_i[other], best_v[lid], best_i[lid])):
+        with kb.if_((lid < s) & precedes(access.KERNEL, best_v[other], best_i[other], best_v[lid], best_i[lid])):
             best_v[lid], best_i[lid] = best_v[other], best_i[other]
         kb.barrier()
     with kb.if_(lid.eq(0)):
@@ -193,7 +192,7 @@ def _argmax_lanes(ctx: NodeCtx, n: int) -> None:
     kb.set(indices.vec(0, lanes), bi)
     v, at = kb.let("v", values[0]), kb.let("at", indices[0])
     with kb.loop("j", 1, lanes) as j:
-        with kb.if_(precedes(KERNEL, values[j], indices[j], v, at)):
+        with kb.if_(precedes(access.KERNEL, values[j], indices[j], v, at)):
             kb.set(v, values[j])
             kb.set(at, indices[j])
     with kb.loop("k", main, n) as k:
@@ -222,7 +221,7 @@ def topk(ctx: NodeCtx) -> None:
         best_v, best_i = kb.let("bv", float("-inf")), kb.let("bi", -1)
         with kb.loop("j", 0, N) as j:
             v = kb.let("v", x[xr + j])
-            with kb.if_(precedes(KERNEL, prev_v, prev_i, v, j) & ((best_i < 0) | (v > best_v))):
+            with kb.if_(precedes(access.KERNEL, prev_v, prev_i, v, j) & ((best_i < 0) | (v > best_v))):
                 kb.set(best_v, v)
                 kb.set(best_i, j)
         values[row * k + p], indices[row * k + p] = best_v, best_i
